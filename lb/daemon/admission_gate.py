@@ -24,6 +24,7 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
 
 from lb.core.admission import Load, decide, tokens_of
 from lb.core.deferred import DeferredQueue, effective_kv_utilization
@@ -65,12 +66,7 @@ class Gate:
               registry=r).set_function(lambda: self.fairness.rate.rate)
         Gauge("lb_overloaded", "1 while the region counts as overloaded for OIT",
               registry=r).set_function(lambda: float(self.fairness.overload.overloaded(time.monotonic())))
-        Gauge("lb_throttled_requests", "Requests throttled (429) by OIT/RPM",
-              registry=r).set_function(lambda: self.fairness.throttled)
-        Gauge("lb_tokens_wasted", "Tokens spent on interactions later aborted by a throttle",
-              registry=r).set_function(lambda: self.fairness.ledger.tokens_wasted)
-        Gauge("lb_interactions_aborted", "Interactions throttled after they had started",
-              registry=r).set_function(lambda: self.fairness.ledger.interactions_aborted)
+        r.register(_ThrottleTotals(self.fairness))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,3 +162,22 @@ class Gate:
         if priority is not None:
             out["priority"] = priority
         return orjson.dumps(out)
+
+
+class _ThrottleTotals:
+    """Running totals the fairness state keeps, exported as counters (`..._total`) at scrape time."""
+
+    def __init__(self, fairness):
+        self.fairness = fairness
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        f = self.fairness
+        for name, doc, value in (
+                ("lb_throttled_requests", "Requests throttled (429) by OIT/RPM", f.throttled),
+                ("lb_tokens_wasted", "Tokens spent on interactions later aborted by a throttle", f.ledger.tokens_wasted),
+                ("lb_interactions_aborted", "Interactions throttled after they had started",
+                 f.ledger.interactions_aborted)):
+            yield CounterMetricFamily(name, doc, value=value)

@@ -46,6 +46,8 @@ class LB:
         self.dispatcher = Dispatcher(self.registry, cfg, self.policy)
         self.metrics = Metrics(self.registry.views, self.dispatcher.available)
         self.dispatcher.metrics = self.metrics
+        self.registry.on_add(lambda rep: self.metrics.remember(rep.id))
+        self.registry.on_gone(lambda rep: self.metrics.forget(rep.id))  # its series leave /metrics
         self.prober = Prober(self.registry, cfg.probes, self.metrics)
         self.proxy = Proxy(cfg, self.registry, self.dispatcher, self.metrics)
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6

@@ -1,26 +1,32 @@
 """Prometheus metrics (`GET /metrics`), on a registry of our own so each app is independent.
 
 Per-replica gauges are read from the replica registry at scrape time, so the request path and
-the probe loop pay nothing for them.
+the probe loop pay nothing for them. Running totals are counters (`..._total`); the series a
+replica labels are dropped when it is removed (`forget`), so churn does not grow the scrape;
+`lb_requests_total{model}` names only models some replica serves, the rest go to `other`.
+The process's own CPU, memory and descriptors come from prometheus_client's ProcessCollector.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PROBE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+OTHER_MODEL = "other"  # lb_requests_total{model}: a model no replica serves (bounded label set)
+NO_MODEL = "none"  # ... a request that named none (SGLang's /generate)
+REMOVED = "removed"  # target label of a request that finished after its replica was forgotten
 
 
 class Metrics:
     def __init__(self, views: Callable[[], list], available: Callable[[object], bool]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("lb_requests", "Requests answered, by route, status, policy and target",
-                                ["route", "status", "policy", "target"], registry=r)
+        self.requests = Counter("lb_requests", "Requests answered, by route, model, status, policy and target",
+                                ["route", "model", "status", "policy", "target"], registry=r)
         self.queue_length = Gauge("lb_queue_length", "Requests waiting in the LB queue", registry=r)
         self.queue_wait = Histogram("lb_queue_wait_seconds", "Time from arrival to dispatch",
                                     buckets=LATENCY_BUCKETS, registry=r)
@@ -44,6 +50,36 @@ class Metrics:
                                        buckets=PROBE_BUCKETS, registry=r)
         self.probe_failures = Counter("lb_probe_failures", "Failed load probes", ["replica"], registry=r)
         r.register(_ReplicaCollector(views, available))
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, fds
+        # metrics labelled by a replica id, and that label's name
+        self._by_replica = ((self.requests, "target"), (self.prompt_tokens, "target"), (self.cached_tokens, "target"),
+                            (self.output_tokens, "target"), (self.decisions, "target"),
+                            (self.upstream_errors, "target"), (self.probe_latency, "replica"),
+                            (self.probe_failures, "replica"))
+        self._forgotten: dict[str, None] = {}  # ids whose series were dropped (insertion-ordered, bounded)
+
+    def forget(self, replica: str) -> None:
+        """The replica is gone (admin DELETE, reload, scale-in): drop every series it labels."""
+        for metric, label in self._by_replica:
+            metric.remove_by_labels({label: replica})
+        self._forgotten[replica] = None
+        if len(self._forgotten) > 10_000:
+            del self._forgotten[next(iter(self._forgotten))]
+
+    def remember(self, replica: str) -> None:
+        """The id is in use again (re-added): its requests are labelled by it once more."""
+        self._forgotten.pop(replica, None)
+
+    @staticmethod
+    def model(model: str, served: Callable[[str], bool]) -> str:
+        """A request's model label: the model when a replica lists it, else one bucket, so
+        clients naming arbitrary models cannot grow the label set."""
+        return (model if served(model) else OTHER_MODEL) if model else NO_MODEL
+
+    def target(self, replica: str) -> str:
+        """A request's target label: `removed` once its replica was forgotten, so a request that
+        ends after the drain does not bring the dropped series back."""
+        return REMOVED if replica in self._forgotten else replica
 
     def probe_done(self, replica: str, elapsed: float, ok: bool) -> None:
         self.probe_latency.labels(replica).observe(elapsed)

@@ -468,15 +468,17 @@ class Proxy:
         m = self.metrics
         if self.peering is not None:
             self.peering.account(out)
-        m.requests.labels(out.route, str(out.status), self.dispatcher.policy.name, out.target or "none").inc()
+        target = m.target(out.target) if out.target else "none"
+        m.requests.labels(out.route, m.model(out.model, self.registry.lists_model), str(out.status),
+                          self.dispatcher.policy.name, target).inc()
         if out.ttft_s is not None:
             m.ttft.labels(out.route).observe(out.ttft_s)
         if 200 <= out.status < 300:
             m.e2e.labels(out.route).observe(out.e2e_s)
         if out.usage:
-            m.prompt_tokens.labels(out.target).inc(out.usage["prompt_tokens"])
-            m.cached_tokens.labels(out.target).inc(out.usage["cached_tokens"])
-            m.output_tokens.labels(out.target).inc(out.usage["completion_tokens"])
+            m.prompt_tokens.labels(target).inc(out.usage["prompt_tokens"])
+            m.cached_tokens.labels(target).inc(out.usage["cached_tokens"])
+            m.output_tokens.labels(target).inc(out.usage["completion_tokens"])
         if self.access_log is not None:
             self.access_log.write(out)
 

@@ -76,6 +76,10 @@ class Registry:
     def models(self) -> set[str]:
         return {m for r in self.active() for m in r.view.models}
 
+    def lists_model(self, model: str) -> bool:
+        """True if some active replica names `model` among the models it serves."""
+        return any(model in r.view.models for r in self.active())
+
     def knows_model(self, model: str) -> bool:
         """True if some active replica serves `model` (or has not told us its models yet)."""
         return any(r.view.serves(model) for r in self.active())

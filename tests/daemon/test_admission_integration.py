@@ -95,7 +95,7 @@ def test_oit_throttles_new_work_under_real_overload_but_never_mid_interaction(pr
     status, _ = chat(lb, body(), {**alice, "x-lb-interaction-stage": "1"})
     assert status == 200
     assert [f.result()[0] for f in blockers] == [200] * 5
-    assert metric(lb.url, "lb_interactions_aborted") == 0 and metric(lb.url, "lb_tokens_wasted") == 0
+    assert metric(lb.url, "lb_interactions_aborted_total") == 0 and metric(lb.url, "lb_tokens_wasted_total") == 0
 
 
 def test_tier_priority_reaches_the_engine_which_runs_iw_f_first(procs, tmp_path, pool):
