@@ -276,7 +276,11 @@ class Jobs:
             await self._compact()
 
     async def _attempts(self, job: Job) -> tuple[int, object]:
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        """Run the job until it has an answer to keep. Waiting for room in the deferred queue
+        costs no try: the job was acknowledged as durable, so the LB's own backlog never fails
+        it; only an answer from the region (busy or failing, RETRY_STATUSES) uses one up."""
+        attempt = 0
+        while True:
             try:
                 facts = self._facts(job)
             except BadRequest as e:
@@ -284,10 +288,11 @@ class Jobs:
             try:
                 await self.proxy.gate.hold(facts)  # the deferred queue: spare capacity or the deadline
             except LBError as e:
-                if self._closing or e.code == "shutting_down":
+                if self._closing or e.code != "deferred_full":
                     raise
-                await asyncio.sleep(e.retry_after or 1)  # deferred queue full
+                await asyncio.sleep(e.retry_after or 1)  # wait for room
                 continue
+            attempt += 1
             job.status, job.started_at = RUNNING, time.time()
             job.attempts += 1
             resp = await self.proxy.call(job.route, job.body, facts)
@@ -300,7 +305,6 @@ class Jobs:
                 await asyncio.sleep(float(retry_after) if retry_after else min(60.0, 2.0 ** attempt))
                 continue
             return resp.status, _json_or_text(resp.body)
-        raise AssertionError("unreachable")
 
     async def _compact(self) -> None:
         now = time.time()

@@ -90,3 +90,24 @@ def test_jobs_are_off_without_a_persist_dir(procs, tmp_path):
     lb, _ = start_lb_with_emulator(procs, tmp_path, "", "--speed", "50")
     status, doc = submit(lb, line(0))
     assert status == 400 and doc["error"]["code"] == "jobs_disabled" and "persist_dir" in doc["error"]["message"]
+
+
+def test_a_full_deferred_queue_makes_jobs_wait_never_fail(procs, tmp_path):
+    """Issue 13 case 1: 30 jobs acknowledged with room for 2 in the deferred queue all run
+    (before: half failed with 500 "lb: AssertionError" and 0 attempts)."""
+    toml = f'[deferred]\npersist_dir = "{tmp_path / "jobs"}"\nmax_entries = 2\n'
+    lb, _ = start_lb_with_emulator(procs, tmp_path, toml, "--speed", "50")
+    ids = []
+    for i in range(30):
+        status, doc = submit(lb, line(i, max_tokens=2))
+        assert status == 202, doc
+        ids.append(doc["id"])
+
+    def views():
+        return [http_json("GET", f"{lb.url}/v1/lb/jobs/{j}")[1] for j in ids]
+
+    poll(lambda: all(v["status"] in ("completed", "failed") for v in views()), timeout=60,
+         what="all 30 jobs to finish")
+    done = views()
+    assert [v["status"] for v in done] == ["completed"] * 30, [v.get("error") for v in done]
+    assert all(v["attempts"] == 1 for v in done)
