@@ -3,24 +3,21 @@
 Pure computation: the engine model runs in virtual time (no sockets, no sleeps), so this
 takes about a second. Per profile: prefill time of a 512- and a 2,048-token prompt alone,
 decode tokens/s at batch 1, 16 and 64 (128-token prompts, 256 output tokens each, decode-only
-steps), and how many requests run at once when a chat mix arrives together (Azure conv 2023
-token sizes from ../shared/data when present, else a lognormal of the same medians):
+steps), and how many requests run at once when a chat mix arrives together (the token sizes
+of the first Azure conv 2023 requests, from bench/data):
 `max_chat_concurrency` is the time-weighted mean of running requests while others wait
 (what the KV admits when saturated), `peak_chat_concurrency` the most seen at any step.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
-import random
 from pathlib import Path
 
+from bench import traces
 from bench.engine import Engine, EngineRequest
 from bench.profiles import PROFILES, Profile
 
-AZURE_CONV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "azure" / "conv_2023_first30min.csv"
 CHAT_REQUESTS = 600
 
 
@@ -62,16 +59,10 @@ def decode_tps(profile: Profile, batch: int, prompt: int = 128, output: int = 25
     return tokens / seconds
 
 
-def chat_mix(n: int, seed: int = 0) -> tuple[list[tuple[int, int]], str]:
+def chat_mix(n: int) -> tuple[list[tuple[int, int]], str]:
     """(prompt tokens, output tokens) pairs and where they came from."""
-    if AZURE_CONV.exists():
-        with open(AZURE_CONV) as f:
-            rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
-        return rows[:n], "Azure conv 2023 (first rows)"
-    rng = random.Random(seed)  # medians of the Azure conv trace: 1,033 prompt, 134 output
-    return ([(max(1, round(rng.lognormvariate(math.log(1033), 0.9))),
-              max(1, round(rng.lognormvariate(math.log(134), 0.9)))) for _ in range(n)],
-            "lognormal with Azure conv medians (trace not found)")
+    rows = [(r.context_tokens, r.generated_tokens) for r in traces.azure_conv()[:n]]
+    return rows, "Azure conv 2023 (first rows)"
 
 
 def chat_concurrency(profile: Profile, mix: list[tuple[int, int]]) -> tuple[float, int]:

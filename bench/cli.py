@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from lb import __version__
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "emulate": ("bench.emulator", "serve the engine model behind SGLang/vLLM/OpenAI HTTP faces"),
     "run": ("bench.client", "run a workload against a target URL and write a JSON report"),
@@ -23,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="lb-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"lb-bench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, helptext) in SUBCOMMANDS.items():
         sub.add_parser(name, help=helptext, add_help=False)
@@ -34,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     subparser = argparse.ArgumentParser(prog=f"lb-bench {name}", description=SUBCOMMANDS[name][1])
     module.configure(subparser)
     args = subparser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    from bench.traces import TraceError
+    try:
+        return int(module.run(args) or 0)
+    except TraceError as e:  # a missing or corrupt dataset: say which, no traceback
+        print(f"lb-bench {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

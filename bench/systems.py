@@ -9,7 +9,7 @@ installed, cannot be installed) so the comparison lists it as skipped instead of
   cache-affine scheduler's hold/bypass bounds when that module is present) are divided by
   `speed` too; network-time knobs are left alone.
 - SGLang Router 0.3.2 (`python -m sglang_router.launch_router`, PyPI `sglang-router`).
-- vLLM router 0.1.17 (`vllm-router`, PyPI `vllm-router`). ENGINES.md has it reading
+- vLLM router 0.1.17 (`vllm-router`, PyPI `vllm-router`). It reads
   `/get_load` as `{"load": N}` while the emulator answers SGLang's list shape; it starts and
   routes regardless, and its power_of_two keeps replicas about as even as nginx least_conn in
   the measured `imbalance`, so it appears to count its own in-flight requests (its logs, even

@@ -43,11 +43,7 @@ SAMPLE_S = 0.5
 
 def day_shape(windows: int = 144) -> tuple[list[float], str]:
     """Relative request rate per 10-min window (peak 1.0), trough to trough of a ServeGen day."""
-    try:
-        clients = traces.servegen_clients()
-    except traces.TraceMissing:
-        half = windows // 2  # without the data: a triangle, and the summary says so
-        return [0.25 + 0.75 * (1 - abs(i - half) / half) for i in range(windows)], "synthetic triangle (ServeGen absent)"
+    clients = traces.servegen_clients()
     total = [0.0] * (2 * windows)
     for ws in clients.values():
         for w in ws[: 2 * windows]:
@@ -70,10 +66,7 @@ class Ramp:
 
     def arrivals(self) -> Iterator[RequestSpec]:
         rng = random.Random(self.seed)
-        try:
-            sizes = [(r.context_tokens, r.generated_tokens) for r in traces.azure_conv()]
-        except traces.TraceMissing:
-            sizes = [(1000, 200)]
+        sizes = [(r.context_tokens, r.generated_tokens) for r in traces.azure_conv()]
         step = self.duration_s / len(self.shape)
         t, i = 0.0, 0
         for w, rel in enumerate(self.shape):

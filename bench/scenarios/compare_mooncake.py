@@ -5,7 +5,7 @@ instead, one region (bench/scenarios/_compare.py, bench/systems.py).
 Blocks and outputs are scaled by `SIZE_SCALE` and contexts clipped to `MAX_INPUT_TOKENS`
 (keeping the leading, shared blocks) so they fit Llama-3-8B on an L4; the replay runs
 `SPEED`× faster, as do the 4 emulated replicas (lb's probe interval and affinity bounds ÷ SPEED).
-Needs the trace under ../shared/data (skipped with a message otherwise).
+The trace is `bench/data/mooncake` (see bench/data/README.md).
 """
 from __future__ import annotations
 
@@ -31,9 +31,4 @@ def compare(quick: bool) -> Compare:
 
 
 def run(out_dir: Path, quick: bool) -> dict:
-    from bench import traces
-    try:
-        next(iter(traces.mooncake_conversation()))
-    except (traces.TraceMissing, StopIteration) as e:
-        return {"variants": {}, "skipped": f"Mooncake trace not available under ../shared/data ({e})"}
     return run_compare(compare(quick), out_dir)

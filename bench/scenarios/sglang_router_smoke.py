@@ -2,9 +2,9 @@
 round robin, on a Tree-of-Thoughts workload whose prefixes reward cache-aware routing.
 
 Each variant gets fresh emulators, so no variant inherits another's prefix cache. The router
-is `sglang-router==0.3.2` from PyPI (see ../shared/ENGINES.md for its quirks: it rewrites
-`max_tokens` into `max_completion_tokens`, drops fields and headers it does not know, and
-serves `/v1/models` as text/plain).
+is `sglang-router==0.3.2` from PyPI (its quirks: it rewrites `max_tokens` into
+`max_completion_tokens`, drops fields and headers it does not know, and serves `/v1/models`
+as text/plain).
 """
 from __future__ import annotations
 

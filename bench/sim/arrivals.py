@@ -1,4 +1,4 @@
-"""Open-loop arrivals for the simulator, drawn from the real traces in `../shared/data`.
+"""Open-loop arrivals for the simulator, drawn from the real traces in `bench/data`.
 
 Rates come from ServeGen (`m-small`: per client, per 10-minute window, a rate, a CV and an
 inter-arrival distribution). Each window of each client is a renewal process: inter-arrival

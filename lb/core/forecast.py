@@ -5,7 +5,7 @@ What is forecast: prompt tokens and output tokens per window, one series each pe
 
 Model choice — additive Holt-Winters (statsmodels `ExponentialSmoothing`, daily season of
 144 windows, no trend), measured on the ServeGen m-small aggregate (43 clients, 7 days),
-forecasting the held-out day(s) (`python -m lb.core.forecast --eval ../shared/data/servegen/m-small`):
+forecasting the held-out day(s) (`python -m lb.core.forecast --eval bench/data/servegen/m-small`):
 
     train 6 days, test day 7              mean APE   max APE   fit
     Holt-Winters additive, 1-step            2.9 %     11.8 %   0.5 s
@@ -208,12 +208,17 @@ def evaluate(series: Sequence[float], train_windows: int, season: int = SEASON) 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import sys
     p = argparse.ArgumentParser(prog="python -m lb.core.forecast",
                                 description="Report forecast APE on held-out days of a ServeGen folder.")
     p.add_argument("--eval", required=True, metavar="DIR", help="ServeGen folder of chunk-*-trace.csv")
     p.add_argument("--train-days", type=int, nargs="*", default=[5, 6])
     args = p.parse_args(argv)
-    series = load_servegen_aggregate(args.eval)
+    try:
+        series = load_servegen_aggregate(args.eval)
+    except (OSError, ValueError, IndexError) as e:  # a corrupt file: one line, no traceback
+        print(f"python -m lb.core.forecast: cannot read {args.eval}: {e}", file=sys.stderr)
+        return 2
     if not series:
         print(f"no ServeGen traces under {args.eval}")
         return 1

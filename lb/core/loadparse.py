@@ -2,7 +2,8 @@
 
 Each parser takes the raw response (bytes or a decoded JSON value) of one endpoint and
 returns a `Load`, or raises `ValueError` when the response is not that endpoint's shape, so
-the daemon's adapter can fall back to the next endpoint. Shapes are those in ENGINES.md.
+the daemon's adapter can fall back to the next endpoint. Shapes are those SGLang, vLLM
+and llama.cpp serve (see the tests in tests/core/test_health_loadparse.py).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lb import __version__
 from lb.daemon.config import ENGINES, PUSHING_MODES, Config, ConfigError, from_env, load, to_toml, with_overrides
 
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from lb.daemon.planner_cli import main as plan_main
         return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="lb", description="regional load balancer for LLM inference")
+    parser.add_argument("--version", action="version", version=f"lb {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plan", help="forecast token demand and plan capacity (lb plan --help)")
     serve_p = sub.add_parser("serve", help="run the load balancer")

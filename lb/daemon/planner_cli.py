@@ -1,7 +1,7 @@
 """The planning process: token history in, forecast and capacity plan out.
 
     python -m lb.daemon.planner_cli --history FILE [--config config/scaling.toml] [--out PLAN.json]
-    python -m lb.daemon.planner_cli --servegen ../shared/data/servegen/m-small --out PLAN.json
+    python -m lb.daemon.planner_cli --servegen bench/data/servegen/m-small --out PLAN.json
 
 It runs beside the daemons (cron, a sidecar, a CI job), not inside them: it needs the `plan`
 extra (numpy, scipy, statsmodels), which the request path never imports.

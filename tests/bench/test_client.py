@@ -10,14 +10,9 @@ import urllib.request
 import orjson
 import pytest
 
-from bench import traces
 from bench.client import SSEDecoder, chunk_text
 from tests.procs import Proc, free_port, lb_bench
 
-try:
-    traces.data_path()
-except traces.TraceMissing as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
 
 SUMMARY_KEYS = {"requests", "ok", "errors", "errors_by_kind", "duration_s", "throughput_rps",
                 "output_tokens_per_s", "ttft_s", "e2e_s", "itl_s", "prompt_tokens", "cached_tokens",

@@ -8,15 +8,11 @@ import shutil
 
 import pytest
 
-from bench import report, report_md, traces
+from bench import report, report_md
 from bench.cluster import RegionSpec
 from bench.scenarios._compare import Compare, run_compare
 from bench.systems import DIRECT, System, lb, nginx, nginx_config, sglang_router, unavailable, vllm_router
 
-try:
-    traces.data_path("gsm8k")
-except traces.TraceMissing as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
 
 
 def tiny(systems: list[System], **kwargs) -> Compare:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench import report, traces
+from bench import report
 from bench.fleet import Fleet, cpu_seconds, saturation_warning
 from bench.scenarios.runner import scenario_names
 from tests.procs import lb_bench
@@ -27,10 +27,6 @@ def test_unknown_scenario_is_refused():
 
 
 def test_calibration_quick_runs_end_to_end_and_writes_summary(tmp_path):
-    try:
-        traces.data_path("mtbench")
-    except traces.TraceMissing as e:
-        pytest.skip(str(e))
     done = subprocess.run(lb_bench("scenario", "calibration", "--quick", "--out", str(tmp_path)),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -9,7 +9,6 @@ import urllib.request
 
 import pytest
 
-from bench import traces
 from bench.fleet import Fleet
 from tests.procs import lb_bench
 
@@ -18,10 +17,6 @@ pytestmark = pytest.mark.thirdparty
 if importlib.util.find_spec("sglang_router") is None:
     pytest.skip("sglang_router is not importable: pip install sglang-router==0.3.2 (CI installs it)",
                 allow_module_level=True)
-try:
-    traces.data_path("gsm8k")
-except traces.TraceMissing as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
 
 
 def requests_served(url: str) -> int:

@@ -138,12 +138,6 @@ def test_prefix_trie_routes_on_the_simulated_prompts_chain():
 
 
 def test_spikes_add_load_and_are_measured_and_holt_winters_plans_from_earlier_days():
-    from bench import traces
-
-    try:
-        traces.servegen_clients()
-    except FileNotFoundError as e:
-        pytest.skip(f"ServeGen trace not available: {e}")
     base = {"duration_s": 1200.0, "start_s": 14 * 3600.0, "seed": 1,
             "models": [{"name": "m", "profile": "l4-llama3-8b", "replicas": 2, "block_size": 256}],
             "arrivals": {"kind": "servegen", "rate_scale": 0.0005, "shapes": "azure-conv", "day": 2},

@@ -29,9 +29,6 @@ from bench.workloads import make_workload
 from bench.sim.world import Simulation, parse_config
 from tests.procs import Proc, free_port, lb_bench
 
-pytest.importorskip("bench.traces")
-from bench import traces  # noqa: E402
-
 PROFILE = "l4-llama3-8b"
 SPEED = 4.0  # profile seconds per wall second in the emulators
 REQUESTS = 90  # ~27 s of trace at ~3.3 req/s → ~7 s of wall time
@@ -84,10 +81,6 @@ def _simulated(specs) -> dict:
 
 
 def test_simulator_agrees_with_the_live_emulator():
-    try:
-        traces.azure_conv()
-    except FileNotFoundError as e:
-        pytest.skip(f"Azure conversation trace not available: {e}")
     specs = _specs()
     sim = _simulated(specs)
     live = _live()

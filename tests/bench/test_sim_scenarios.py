@@ -14,16 +14,6 @@ from bench.sim.world import parse_config
 PEAK = 20 * 3600 + 30 * 60  # 20:30, just before the trace day's busiest window
 
 
-@pytest.fixture(autouse=True)
-def _servegen():
-    from bench import traces
-
-    try:
-        traces.servegen_clients()
-    except FileNotFoundError as e:
-        pytest.skip(f"ServeGen trace not available: {e}")
-
-
 def _shrink(data: dict, minutes: int = 20, rate_scale: float = 0.0005, static: int = 4) -> dict:
     data = {**data, "start_s": PEAK, "duration_s": minutes * 60}
     data["arrivals"] = {**data["arrivals"], "rate_scale": rate_scale}

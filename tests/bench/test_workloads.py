@@ -11,10 +11,6 @@ from bench.workloads import WORKLOADS, make_workload
 from bench.workloads.base import H_FINAL, H_TIER, H_USER, pseudo_text
 from bench.workloads.tot import tree_size
 
-try:
-    traces.data_path()
-except traces.TraceMissing as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
 
 
 def run_program(program, output=lambda spec: f"answer to {spec.request_id}"):

@@ -10,7 +10,7 @@ import pytest
 
 from lb.core import forecast as fc
 
-SERVEGEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "servegen" / "m-small"
+SERVEGEN = Path(__file__).resolve().parents[2] / "bench" / "data" / "servegen" / "m-small"
 
 
 def seasonal_series(days: int, season: int, noise: float = 0.0) -> list[float]:
@@ -84,7 +84,6 @@ def test_core_imports_no_numeric_stack():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
-@pytest.mark.skipif(not SERVEGEN.is_dir(), reason=f"ServeGen traces not found at {SERVEGEN}")
 def test_servegen_held_out_day_ape_is_sane():
     series = fc.load_servegen_aggregate(str(SERVEGEN))
     assert len(series) == 7 * fc.SEASON

@@ -75,10 +75,9 @@ def test_refine_predicts_beyond_what_was_generated():
     assert lm.refine(facts(app="a", max_tokens=320), 250) == 320
 
 
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure" / "conv_2023_first30min.csv"
+AZURE = Path(__file__).resolve().parents[2] / "bench" / "data" / "azure" / "conv_2023_first30min.csv"
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason=f"Azure conversation trace not found at {AZURE}")
 def test_prompt_length_buckets_beat_the_global_median_on_the_azure_trace():
     rows = list(csv.DictReader(AZURE.open()))
     lm, err_model, err_global = LengthModel(), 0.0, 0.0
