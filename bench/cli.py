@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("bench.calibrate", "print engine-profile timings next to their sources"),
     "cluster": ("bench.cluster", "start a local multi-region testbed on loopback"),
     "sim": ("bench.sim.cli", "discrete-event simulation of regions, LBs and replicas"),
+    "sim-compare": ("bench.sim.compare", "lb vs the peers' published algorithms in the simulator, seeds and CIs"),
 }
 
 

@@ -1,0 +1,260 @@
+"""One system in front of one simulated fleet: the world `sim-compare` runs each seed in.
+
+A `Fleet` is regions of replicas (each a `SimReplica` on the emulator's engine model, some
+possibly slower) with one-way WAN latencies between regions. A system is either `lb`
+(one `SimLB` per region with SkyWalker peering, built by `build_lb_fronts`, the single seam
+between this module and bench/sim/model.py) or a peer router (`PeerFront`: one central
+router in the first region that pushes every request to a replica the moment it arrives,
+as sglang-router, vllm-router and nginx do, reaching other regions' replicas across the
+WAN as the live comparison's delay proxies do).
+
+Clients (bench/sim/clients.py) call `Arena.send` from their region; the arena adds the WAN
+hop to the region's front, and calls back with a `Done` (client-observed TTFT and E2E,
+tokens, cached tokens) when the last token is back at the client.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from bench.profiles import Profile, get_profile
+from bench.sim.core import EventLoop
+from bench.sim.metrics import Metrics, Slo
+from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
+from bench.sim.peer_policies import PeerPolicy, PeerRequest
+from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
+from lb.core.types import RequestFacts
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    replicas: int
+    slow_replicas: int = 0  # of which this many run `slow_factor`× slower
+    weight: float = 1.0  # share of the clients (or program arrivals) that start here
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    regions: tuple[RegionSpec, ...]
+    profile: str = "l4-llama3-8b"
+    slow_factor: float = 2.0
+    latency_ms: dict = field(default_factory=dict)  # "a-b" -> one-way ms, either order
+
+    def one_way(self, a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        ms = self.latency_ms.get(f"{a}-{b}", self.latency_ms.get(f"{b}-{a}", 0.0))
+        return ms / 1000.0
+
+    @property
+    def replicas(self) -> int:
+        return sum(r.replicas for r in self.regions)
+
+
+def slowed(profile: Profile, factor: float) -> Profile:
+    """The same engine with every step `factor`× longer (an older GPU, a noisy neighbour)."""
+    return profile.with_overrides(name=f"{profile.name}-x{factor:g}", step_base_s=profile.step_base_s * factor,
+                                  prefill_token_s=profile.prefill_token_s * factor,
+                                  decode_seq_s=profile.decode_seq_s * factor,
+                                  context_token_s=profile.context_token_s * factor)
+
+
+@dataclass(slots=True)
+class Done:
+    req: SimRequest
+    sent_at: float
+    ttft: float
+    e2e: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class Call:
+    """One request a client sends: the prompt as tokens and who it belongs to."""
+
+    request_id: str
+    region: str
+    tokens: list[int]
+    output_tokens: int
+    user: str | None = None
+    session: str | None = None
+    interaction_id: str | None = None
+    stage: int | None = None
+    final: bool = False
+
+
+class PeerFront:
+    """A peer router: blind pushing, its policy over its own in-flight counts, no queue.
+    Implements what `SimReplica` calls on its LB (tick_at, cfg, dispatch, completed, ...)."""
+
+    class _Cfg:
+        probe_interval_s = 0.1
+        early_reprobe_s = 0.005
+
+    def __init__(self, region: str, loop: EventLoop, policy: PeerPolicy, fleet: FleetSpec,
+                 on_done: Callable[[SimRequest, int, int, int], None]):
+        self.region, self.loop, self.policy, self.fleet = region, loop, policy, fleet
+        self.cfg = self._Cfg()
+        self.replicas: dict[str, SimReplica] = {}
+        self.order: list[str] = []
+        self.inflight: dict[str, int] = {}
+        self.on_done = on_done
+
+    def tick_at(self, t: float) -> float:
+        i = self.cfg.probe_interval_s
+        return math.floor(t / i) * i
+
+    def add_replica(self, rep: SimReplica) -> None:
+        self.replicas[rep.id] = rep
+        self.order.append(rep.id)
+        self.inflight[rep.id] = 0
+
+    def arrive(self, req: SimRequest, call: Call) -> None:
+        now = self.loop.now
+        peer_req = PeerRequest(call.request_id, call.tokens, session=call.session, user=call.user)
+        target = self.policy.choose(peer_req, self.order, self.inflight, now)
+        self.inflight[target] += 1
+        rep = self.replicas[target]
+        hop = self.fleet.one_way(self.region, rep.region)
+        if hop:
+            req.extra_latency += 2 * hop
+            self.loop.after(hop, rep.push, req)
+        else:
+            rep.push(req)
+
+    # what SimReplica calls
+    def dispatch(self) -> None:
+        pass
+
+    def replica_ready(self, rep: SimReplica) -> None:
+        pass
+
+    def replica_stopped(self, rep: SimReplica) -> None:
+        pass
+
+    def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
+        self.inflight[req.served_by] -= 1
+        self.on_done(req, prompt, cached, output)
+
+
+class CompareLB(SimLB):
+    """`SimLB` reporting each completion with its token counts to the arena."""
+
+    def __init__(self, *args, on_done: Callable[[SimRequest, int, int, int], None], **kw):
+        super().__init__(*args, **kw)
+        self.report = on_done
+
+    def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
+        super().completed(req, now, prompt, cached, output)
+        self.report(req, prompt, cached, output)
+
+
+def lb_config(**overrides) -> LBConfig:
+    """`lb`'s default configuration as the daemon ships it (prefix-trie, SP-pending, FCFS,
+    100 ms probes, peering on), with a variant's overrides."""
+    return LBConfig(**{"policy": "prefix-trie", "pushing": "sp-pending", **overrides})
+
+
+def build_lb_fronts(loop: EventLoop, fleet: FleetSpec, cfg: LBConfig, seed: int,
+                    on_done: Callable[[SimRequest, int, int, int], None]) -> dict[str, SimLB]:
+    """The seam to bench/sim/model.py: one `lb` per region, peered nearest first."""
+    metrics = Metrics(Slo())
+    names = [r.name for r in fleet.regions]
+    lbs = {name: CompareLB(name, loop, cfg, metrics, seed=seed + i, phase=cfg.probe_interval_s * i / len(names),
+                           on_done=on_done)
+           for i, name in enumerate(names)}
+    for name, lb in lbs.items():
+        lb.peers = sorted(((fleet.one_way(name, other), peer) for other, peer in lbs.items() if other != name),
+                          key=lambda p: p[0])
+    return lbs
+
+
+class Arena:
+    """One seed of one system: fleet, fronts, and the requests clients send through them."""
+
+    def __init__(self, fleet: FleetSpec, system: str, *, seed: int, lb_cfg: LBConfig | None = None,
+                 peer: PeerPolicy | None = None):
+        self.fleet, self.system, self.seed = fleet, system, seed
+        self.loop = EventLoop()
+        self.profile = get_profile(fleet.profile)
+        self.callbacks: dict[str, tuple[Call, float, Callable[[Done], None]]] = {}
+        self.done: list[Done] = []
+        self.sent = 0
+        if peer is not None:
+            central = fleet.regions[0].name
+            front = PeerFront(central, self.loop, peer, fleet, self._completed)
+            self.fronts = {r.name: front for r in fleet.regions}
+            self.chain_params = None
+        else:
+            self.fronts = build_lb_fronts(self.loop, fleet, lb_cfg or lb_config(), seed, self._completed)
+            self.chain_params = prefix_chain_params(next(iter(self.fronts.values())).policy)
+        self.replicas: list[SimReplica] = []
+        n = 0
+        for region in fleet.regions:
+            for k in range(region.replicas):
+                n += 1
+                profile = slowed(self.profile, fleet.slow_factor) if k < region.slow_replicas else self.profile
+                front = self.fronts[region.name]
+                rep = SimReplica(f"{region.name}/{n}", region.name, profile.model, profile, self.loop, front,
+                                 seed=seed * 1000 + n, ready_at=0.0, requested_at=0.0)
+                front.add_replica(rep)
+                self.replicas.append(rep)
+        self.model = self.profile.model
+        self.limit = min(self.profile.max_model_len, self.profile.kv_tokens)
+
+    def _front_of(self, region: str):
+        front = self.fronts[region]
+        return front, self.fleet.one_way(region, front.region)
+
+    def send(self, call: Call, on_done: Callable[[Done], None]) -> None:
+        """The client in `call.region` sends now; `on_done` runs when its last token is back."""
+        tokens = call.tokens[: self.limit - 16]
+        output = max(1, min(call.output_tokens, self.limit - len(tokens)))
+        call.tokens, call.output_tokens = tokens, output
+        sent = self.loop.now
+        self.sent += 1
+        self.callbacks[call.request_id] = (call, sent, on_done)
+        front, hop = self._front_of(call.region)
+        if hop:
+            self.loop.after(hop, self._arrive, call)
+        else:
+            self._arrive(call)
+
+    def _arrive(self, call: Call) -> None:
+        now = self.loop.now
+        req = SimRequest(call.request_id, call.region, self.model, call.user or "anonymous", now,
+                         call.tokens, call.output_tokens)
+        front, _ = self._front_of(call.region)
+        req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
+                                 max_tokens=call.output_tokens, arrival=now, user=call.user, session=call.session,
+                                 interaction_id=call.interaction_id, interaction_stage=call.stage,
+                                 final_call=call.final)
+        if isinstance(front, PeerFront):
+            front.arrive(req, call)
+            return
+        req.region = front.region
+        if self.chain_params is not None:
+            block_chars, isolate = self.chain_params
+            salt = (call.user or "") if isolate else None
+            req.facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
+                call.tokens, max(1, block_chars // CHARS_PER_TOKEN), salt)
+        front.arrive(req)
+
+    def _completed(self, req: SimRequest, prompt: int, cached: int, output: int) -> None:
+        call, sent, on_done = self.callbacks.pop(req.id)
+        _, hop = self._front_of(call.region)
+        back = req.extra_latency / 2 + hop  # replica -> (forwarding LB) -> front -> client
+        done = Done(req, sent, req.first_token + back - sent, self.loop.now + back - sent, prompt, cached, output)
+        self.done.append(done)
+        if back:
+            self.loop.after(back, on_done, done)
+        else:
+            on_done(done)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.callbacks)

@@ -1,0 +1,123 @@
+"""Clients in virtual time, as `lb-bench run` drives them live (bench/client.py).
+
+Closed loop (`Programs`): the live workloads' own programs (bench/workloads: Tree of
+Thoughts, Mixed Tree, multi-turn conversations) hand out requests; a request's prompt is
+the program's chat messages rendered and tokenized exactly as the emulator does
+(`bench.tokenizer`), and when it finishes the program is given the output text the
+simulated engine produced (`FastEngine` emits one fixed output token, which decodes to text
+that encodes back to the same ids, so the next turn's prompt carries the previous answer
+as a token prefix, as it does live). Programs run either
+- from a fixed number of clients per region, each running one program after another (the
+  live client's `--clients`; the agreement test uses this), or
+- as program arrivals, a Poisson stream of new programs at a rate (how `--load` offers a
+  share of the fleet's capacity: each arrival is a tree or a conversation that then runs
+  closed-loop inside).
+
+Open loop (`Replay`): requests at given times whatever the system does (trace replays).
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from bench.engine import FIXED_TOKEN
+from bench.sim.arena import Arena, Call, Done
+from bench.tokenizer import decode, encode, render_chat
+from bench.workloads.base import RequestSpec
+
+
+@functools.lru_cache(maxsize=64)
+def output_text(n: int) -> str:
+    """The text of `n` output tokens as the simulated engine emits them."""
+    return decode([FIXED_TOKEN] * n)
+
+
+def call_of(spec: RequestSpec, region: str) -> Call:
+    return Call(request_id=spec.request_id, region=region, tokens=encode(render_chat(spec.messages)),
+                output_tokens=spec.max_tokens, user=spec.user, session=spec.session,
+                interaction_id=spec.interaction_id, stage=spec.stage, final=bool(spec.final))
+
+
+class Programs:
+    """Closed-loop programs of one workload (`program(client, index)`) sent into an arena
+    until `stop_at`; a program's next requests go out the moment their parent's last
+    token is back at the client, as the live client does."""
+
+    def __init__(self, arena: Arena, workload, *, stop_at: float):
+        self.arena, self.workload, self.stop_at = arena, workload, stop_at
+        self.programs_started = 0
+
+    def _send(self, program, spec: RequestSpec, region: str, on_end: Callable[[], None] | None) -> None:
+        self.arena.send(call_of(spec, region), lambda done: self._finished(program, spec, region, on_end, done))
+
+    def _finished(self, program, spec: RequestSpec, region: str, on_end, done: Done) -> None:
+        program.pending -= 1
+        if self.arena.loop.now < self.stop_at:
+            for nxt in program.on_done(spec, output_text(done.output_tokens)):
+                program.pending += 1
+                self._send(program, nxt, region, on_end)
+        if program.pending == 0 and on_end is not None:
+            on_end()
+
+    def start_program(self, client: int, index: int, region: str, on_end: Callable[[], None] | None = None) -> None:
+        if self.arena.loop.now >= self.stop_at:
+            return
+        program = self.workload.program(client, index)
+        self.programs_started += 1
+        first = program.start()
+        program.pending = len(first)
+        for spec in first:
+            self._send(program, spec, region, on_end)
+
+    def clients(self, per_region: dict[str, int]) -> None:
+        """Fixed clients: each runs programs 0, 1, 2, ... one after another."""
+        client = 0
+        for region, n in per_region.items():
+            for _ in range(n):
+                self._client_loop(client, 0, region)
+                client += 1
+
+    def _client_loop(self, client: int, index: int, region: str) -> None:
+        self.start_program(client, index, region, lambda: self._client_loop(client, index + 1, region))
+
+    def arrivals(self, rate_per_region: dict[str, float], seed: int) -> None:
+        """New programs as Poisson arrivals at `rate` per second in each region."""
+        rng = random.Random(f"{seed}/program-arrivals")
+        counter = iter(range(1 << 40))
+        loop = self.arena.loop
+
+        def arrive(region: str, rate: float) -> None:
+            if loop.now >= self.stop_at:
+                return
+            self.start_program(next(counter), 0, region)
+            loop.after(rng.expovariate(rate), arrive, region, rate)
+
+        for region, rate in rate_per_region.items():
+            if rate > 0:
+                loop.after(rng.expovariate(rate), arrive, region, rate)
+
+
+@dataclass
+class Timed:
+    at: float
+    call: Call
+
+
+class Replay:
+    """Open loop: each call at its time (already scaled), one heap entry at a time."""
+
+    def __init__(self, arena: Arena, calls: Iterator[Timed], *, stop_at: float):
+        self.arena, self.calls, self.stop_at = arena, calls, stop_at
+        self._next()
+
+    def _next(self) -> None:
+        item = next(self.calls, None)
+        if item is None or item.at >= self.stop_at:
+            return
+        self.arena.loop.at(item.at, self._fire, item)
+
+    def _fire(self, item: Timed) -> None:
+        self.arena.send(item.call, lambda done: None)
+        self._next()

@@ -1,0 +1,194 @@
+"""`lb-bench sim-compare WORKLOAD`: every system on the same arrivals, in virtual time.
+
+For each seed, each system (lb's default configuration `lb`, its variants `lb VARIANT`, and
+every peer model in bench/sim/peer_policies.py) gets a fresh fleet and exactly the same
+offered load (the same program or trace arrivals, drawn from the seed). Offered load is
+`--load` × the fleet's capacity, measured once per workload and run length in the
+simulator (saturation throughput behind `lb`, bench/sim/workloads_sim.py).
+
+Per seed a run issues for the run length, then stops: requests still in flight then are
+`cut_at_deadline`, reported apart from `errors` (requests that failed: none in the
+simulator unless a prompt can never fit). Across seeds each figure is the median of the
+per-seed values with a 95 % percentile-bootstrap interval of that median (10,000
+resamples of the seeds); with few seeds the interval is close to the seeds' range.
+
+Writes DIR/summary.json (schema in docs/proving-ground.md), DIR/report.md (table, ratios
+to the best peer), DIR/ttft_cdf.png and DIR/throughput.png; `--sweep` runs loads 0.5, 0.7,
+0.9, 1.1, 1.3 into DIR/load-F/ and plots throughput and P90 TTFT against load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from bench.sim.arena import Arena, lb_config
+from bench.sim.peer_policies import PEERS
+from bench.sim.workloads_sim import WORKLOADS, get
+
+DEFAULT_SEEDS = 5
+DEFAULT_LOAD = 0.9
+SWEEP = (0.5, 0.7, 0.9, 1.1, 1.3)
+# lb's variants worth showing next to its default: what selective pushing buys over blind.
+LB_VARIANTS = {"lb": {}, "lb blind": {"pushing": "blind"}}
+QUICK_SEEDS = 3
+BOOTSTRAP = 10_000
+
+
+def systems() -> list[str]:
+    return list(LB_VARIANTS) + list(PEERS)
+
+
+def make_arena(workload: str, system: str, seed: int) -> Arena:
+    fleet = get(workload).fleet
+    if system in LB_VARIANTS:
+        return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]))
+    return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed))
+
+
+def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
+    """Requests/s the fleet completes when saturated (behind lb's default), after a warm-up
+    of a fifth of the run."""
+    arena = make_arena(workload, "lb", seed)
+    get(workload).saturate(arena, seed=seed, stop_at=duration_s)
+    arena.loop.run(duration_s)
+    warm = duration_s / 5
+    done = sum(1 for d in arena.done if warm <= d.sent_at + d.e2e <= duration_s)
+    return done / (duration_s - warm)
+
+
+def run_one(args: tuple[str, str, int, float, float]) -> dict:
+    """One system, one seed: the per-seed figures (and raw TTFTs for the CDF)."""
+    workload, system, seed, rate_rps, duration_s = args
+    wall = time.perf_counter()
+    arena = make_arena(workload, system, seed)
+    get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
+    arena.loop.run(duration_s)
+    done = [d for d in arena.done if d.sent_at + d.e2e <= duration_s]
+    ttft = np.array([d.ttft for d in done]) if done else np.empty(0)
+    prompt = sum(d.prompt_tokens for d in done)
+    return {
+        "system": system, "seed": seed,
+        "throughput_rps": len(done) / duration_s,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
+        "ttft_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else None,
+        "e2e_p50_s": float(np.median([d.e2e for d in done])) if done else None,
+        "cached_ratio": sum(d.cached_tokens for d in done) / prompt if prompt else 0.0,
+        "errors": 0,
+        "cut_at_deadline": arena.sent - len(done),
+        "sent": arena.sent,
+        "ttft": ttft.round(4).tolist(),
+        "wall_s": time.perf_counter() - wall,
+    }
+
+
+def median_ci(values: list[float], seed: int = 0) -> dict:
+    vals = np.array([v for v in values if v is not None], dtype=float)
+    if not len(vals):
+        return {"median": None, "ci95": [None, None]}
+    rng = np.random.default_rng(seed)
+    boot = np.median(rng.choice(vals, size=(BOOTSTRAP, len(vals)), replace=True), axis=1)
+    return {"median": float(np.median(vals)), "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+
+
+METRICS = ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cached_ratio")
+
+
+def summarize(workload: str, seeds: int, runs: list[dict], extra: dict) -> dict:
+    out = {"workload": workload, "seeds": seeds, "systems": {}}
+    for system in systems():
+        mine = [r for r in runs if r["system"] == system]
+        if not mine:
+            continue
+        entry = {m: median_ci([r[m] for r in mine]) for m in METRICS}
+        entry["errors"] = sum(r["errors"] for r in mine)
+        entry["cut_at_deadline"] = sum(r["cut_at_deadline"] for r in mine)
+        out["systems"][system] = entry
+    out.update(extra)
+    return out
+
+
+def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
+             workers: int, out: Path) -> dict:
+    rate = load * capacity
+    jobs = [(workload, system, seed, rate, duration_s) for seed in range(seeds) for system in systems()]
+    wall = time.perf_counter()
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            runs = list(pool.map(run_one, jobs))
+    else:
+        runs = list(map(run_one, jobs))
+    summary = summarize(workload, seeds, runs, {
+        "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s,
+        "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
+        "counts": "errors and cut_at_deadline are totals over all seeds",
+        "wall_s": time.perf_counter() - wall,
+    })
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    from bench.sim.compare_report import plots, report_md
+
+    plots(summary, runs, out)
+    (out / "report.md").write_text(report_md(summary))
+    return summary
+
+
+def capacity_for(workload: str, duration_s: float, out: Path) -> float:
+    """Measured once per workload and run length; kept in DIR/capacity.json for reruns."""
+    path = out / "capacity.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    key = f"{workload}@{duration_s:g}s"
+    if key not in known:
+        known[key] = measure_capacity(workload, duration_s)
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=2))
+    return known[key]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", nargs="?", help="workload name (--list names them)")
+    parser.add_argument("--seeds", type=int, help=f"seeds per system (default {DEFAULT_SEEDS}; --quick {QUICK_SEEDS})")
+    parser.add_argument("--quick", action="store_true", help="shorter runs and fewer seeds (each workload < 2 min on 2 cores)")
+    parser.add_argument("--out", default="out/sim-compare", help="output folder (default out/sim-compare)")
+    parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="offered load as a share of measured capacity (default 0.9)")
+    parser.add_argument("--sweep", action="store_true", help=f"run loads {', '.join(map(str, SWEEP))} and plot against load")
+    parser.add_argument("--list", action="store_true", help="name the workloads and exit")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list or not args.workload:
+        for name, w in WORKLOADS.items():
+            print(f"{name:14s} {w.description}")
+        return 0 if args.list else 2
+    if args.load <= 0:
+        raise SystemExit("--load must be > 0 (a share of the fleet's capacity, e.g. 0.9)")
+    workload = get(args.workload)
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
+    if seeds < 1:
+        raise SystemExit("--seeds must be >= 1")
+    duration = workload.quick_duration_s if args.quick else workload.duration_s
+    out = Path(args.out)
+    wall = time.perf_counter()
+    capacity = capacity_for(args.workload, duration, out)
+    loads = SWEEP if args.sweep else (args.load,)
+    summaries = {}
+    for load in loads:
+        where = out / f"load-{load:g}" if args.sweep else out
+        summaries[load] = run_load(args.workload, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
+                                   workers=args.workers, out=where)
+        from bench.sim.compare_report import table
+
+        print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each")
+        print(table(summaries[load]))
+    if args.sweep:
+        from bench.sim.compare_report import sweep_plot
+
+        sweep_plot(args.workload, summaries, out)
+    print(f"\n{args.workload}: done in {time.perf_counter() - wall:.1f} s of wall time -> {out}")
+    return 0

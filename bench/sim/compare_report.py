@@ -1,0 +1,125 @@
+"""What `sim-compare` writes besides summary.json: the table, report.md and the plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+LB = "lb"
+
+
+def _fmt(entry: dict, scale: float = 1.0, digits: int = 2) -> str:
+    m, (lo, hi) = entry["median"], entry["ci95"]
+    if m is None:
+        return "-"
+    return f"{m * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+
+
+def best_peer(summary: dict) -> str | None:
+    peers = {k: v for k, v in summary["systems"].items() if not k.startswith("lb")}
+    if not peers:
+        return None
+    return max(peers, key=lambda k: peers[k]["throughput_rps"]["median"] or 0.0)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def table(summary: dict) -> str:
+    """Markdown table: one row per system, medians with 95 % CIs, lb's ratios underneath."""
+    rows = ["| system | throughput req/s | TTFT p50 ms | TTFT p90 ms | E2E p50 s | cached | cut |",
+            "|---|---|---|---|---|---|---|"]
+    for name, s in summary["systems"].items():
+        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
+                    f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
+                    f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
+    peer = best_peer(summary)
+    ours = summary["systems"].get(LB)
+    if peer and ours:
+        p = summary["systems"][peer]
+        rows.append("")
+        rows.append(f"lb vs the best peer ({peer}, by throughput): throughput "
+                    f"{_ratio(ours['throughput_rps']['median'], p['throughput_rps']['median'])}, "
+                    f"TTFT p50 {_ratio(p['ttft_p50_s']['median'], ours['ttft_p50_s']['median'])} lower, "
+                    f"TTFT p90 {_ratio(p['ttft_p90_s']['median'], ours['ttft_p90_s']['median'])} lower")
+    return "\n".join(rows)
+
+
+def report_md(summary: dict) -> str:
+    lines = [f"# sim-compare {summary['workload']}", "",
+             f"Offered load {summary['load']:g} x measured capacity {summary['capacity_rps']:.2f} req/s "
+             f"({summary['offered_rps']:.2f} req/s), {summary['seeds']} seeds of {summary['duration_s']:g} s "
+             "virtual time each, every system on the same arrivals.", "",
+             f"Figures: {summary['ci']}; {summary['counts']}. `cut` = requests still in flight when the "
+             "run ended (not errors).", "", table(summary), "",
+             "![TTFT CDF](ttft_cdf.png)", "", "![throughput](throughput.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(summary: dict, runs: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["systems"])
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name in names:
+        ttft = np.sort(np.concatenate([np.array(r["ttft"]) for r in runs if r["system"] == name] or [np.empty(0)]))
+        if len(ttft):
+            ax.plot(ttft * 1000, np.arange(1, len(ttft) + 1) / len(ttft), label=name,
+                    linewidth=2.2 if name.startswith("lb") else 1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{summary['workload']}: TTFT CDF, all seeds (load {summary['load']:g})")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    med = [summary["systems"][n]["throughput_rps"]["median"] for n in names]
+    lo = [m - summary["systems"][n]["throughput_rps"]["ci95"][0] for n, m in zip(names, med)]
+    hi = [summary["systems"][n]["throughput_rps"]["ci95"][1] - m for n, m in zip(names, med)]
+    ax.bar(range(len(names)), med, yerr=[lo, hi], capsize=4,
+           color=["tab:green" if n.startswith("lb") else "tab:gray" for n in names])
+    ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("throughput (req/s), median and 95 % CI")
+    ax.set_title(f"{summary['workload']}: throughput at load {summary['load']:g}")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+
+
+def sweep_plot(workload: str, summaries: dict[float, dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted(summaries)
+    names = list(next(iter(summaries.values()))["systems"])
+    fig, ax = plt.subplots(1, 2, figsize=(13, 5))
+    for name in names:
+        thr = [summaries[f]["systems"][name]["throughput_rps"]["median"] for f in loads]
+        p90 = [summaries[f]["systems"][name]["ttft_p90_s"]["median"] for f in loads]
+        width = 2.2 if name.startswith("lb") else 1.2
+        ax[0].plot(loads, thr, marker="o", label=name, linewidth=width)
+        ax[1].plot(loads, [None if v is None else v * 1000 for v in p90], marker="o", label=name, linewidth=width)
+    ax[0].set_xlabel("offered load (x capacity)")
+    ax[0].set_ylabel("throughput (req/s)")
+    ax[1].set_xlabel("offered load (x capacity)")
+    ax[1].set_ylabel("TTFT p90 (ms, log)")
+    ax[1].set_yscale("log")
+    ax[0].legend(fontsize=7)
+    fig.suptitle(f"{workload}: throughput and P90 TTFT against load")
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+    plt.close(fig)
+    lines = [f"# sim-compare {workload} --sweep", "", "![sweep](sweep.png)", ""]
+    for f in loads:
+        lines += [f"## load {f:g}", "", table(summaries[f]), ""]
+    (out / "report.md").write_text("\n".join(lines))

@@ -1,0 +1,357 @@
+"""The routers users would pick instead of `lb`, as policies for the simulator.
+
+Each class models one published algorithm from its documentation and source (read, not
+copied), with the defaults of the version the live comparisons run (`bench/systems.py`
+pins sglang-router 0.3.2 and vllm-router 0.1.17; nginx is Debian's). All of them push
+blindly: a request is forwarded the moment it arrives and the engine queues it, so the
+only load a router knows is what it counts itself (requests it sent and has not seen
+finish) unless its docstring says otherwise.
+
+Interface (`PeerPolicy`): `choose(req, workers, now) -> worker id` over every healthy
+worker in the router's order, with `inflight[id]` the router's own open requests;
+`forget(id)` when a worker leaves. `req` is a `PeerRequest`: what the router can read off
+the HTTP request (the prompt as tokens, the headers the live client sends).
+
+Known decisions of each are pinned against the live router in
+tests/bench/test_peer_policies_live.py.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+import zlib
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import mmh3
+
+
+@dataclass(slots=True)
+class PeerRequest:
+    """What a router sees of one request (the live client's headers, bench/workloads/base.py)."""
+
+    request_id: str  # X-Request-Id: the live client sends one per request
+    tokens: Sequence[int]  # the rendered prompt, standing in for its text
+    session: str | None = None  # X-LB-Session
+    user: str | None = None  # X-LB-User and the body's `user`
+
+
+class PeerPolicy(Protocol):
+    name: str
+
+    def choose(self, req: PeerRequest, workers: Sequence[str], inflight: dict[str, int], now: float) -> str: ...
+
+    def forget(self, worker: str) -> None: ...
+
+
+# -- round robin --------------------------------------------------------------------------
+class RoundRobin:
+    """sglang-router 0.3.2 / vllm-router 0.1.17 `round_robin` (`policies/round_robin.rs`):
+    an atomic counter taken modulo the number of healthy workers, in the router's worker
+    order; load is never looked at."""
+
+    name = "round_robin"
+
+    def __init__(self, **_: object):
+        self.counter = 0
+
+    def choose(self, req, workers, inflight, now):
+        worker = workers[self.counter % len(workers)]
+        self.counter += 1
+        return worker
+
+    def forget(self, worker):
+        pass
+
+
+# -- power of two -------------------------------------------------------------------------
+class PowerOfTwo:
+    """sglang-router 0.3.2 / vllm-router 0.1.17 `power_of_two` (`policies/power_of_two.rs`):
+    two distinct healthy workers drawn uniformly at random, the one with the lower load wins
+    (the first on a tie). Load: the router's own in-flight count per worker. (sglang-router
+    can also feed it loads polled from `/get_load` by its LoadMonitor; which source wins on
+    the emulator is not documented, and the live routers' routing matches in-flight counts
+    as bench/systems.py notes, so the model counts in-flight requests.)"""
+
+    name = "power_of_two"
+
+    def __init__(self, *, seed: int = 0, **_: object):
+        self.rng = random.Random(seed)
+
+    def choose(self, req, workers, inflight, now):
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self.rng.sample(range(len(workers)), 2)
+        wa, wb = workers[a], workers[b]
+        return wa if inflight.get(wa, 0) <= inflight.get(wb, 0) else wb
+
+    def forget(self, worker):
+        pass
+
+
+# -- cache aware --------------------------------------------------------------------------
+class _Node:
+    __slots__ = ("key", "parent", "kids", "access")
+
+    def __init__(self, key, parent):
+        self.key, self.parent = key, parent
+        self.kids: set[_Node] = set()
+        self.access: dict[str, float] = {}  # tenant (worker) -> last access time
+
+
+class ApproxTree:
+    """The router's approximate radix tree (`policies/tree.rs`), multi-tenant: every node
+    records which workers were sent a prompt through it and when. Here a node is a block of
+    `block` tokens named by the chained hash of the prompt up to it (the router keys on
+    characters; a 4-token block is ~16 characters, well under what its 0.3 threshold can
+    tell apart). A tenant on a node is on all its ancestors, so the deepest matched node's
+    tenants all hold the whole match."""
+
+    def __init__(self, block: int = 4):
+        self.block = block
+        self.nodes: dict[int, _Node] = {}
+        self.size: dict[str, int] = {}  # tenant -> tokens it holds (tenant_char_count / 4)
+
+    def chain(self, tokens: Sequence[int]) -> list[int]:
+        b, out, prev = self.block, [], 0
+        for i in range(0, len(tokens) - b + 1, b):
+            prev = hash((prev, tuple(tokens[i:i + b])))
+            out.append(prev)
+        return out
+
+    def add_tenant(self, tenant: str) -> None:
+        self.size.setdefault(tenant, 0)
+
+    def match(self, chain: list[int]) -> tuple[int, _Node | None]:
+        """Blocks matched and the deepest matched node (binary search: the chain is prefix-closed)."""
+        nodes = self.nodes
+        lo, hi = 0, len(chain)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] in nodes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, (nodes[chain[lo - 1]] if lo else None)
+
+    def insert(self, chain: list[int], tenant: str, now: float) -> None:
+        self.add_tenant(tenant)
+        parent = None
+        for key in chain:
+            node = self.nodes.get(key)
+            if node is None:
+                node = self.nodes[key] = _Node(key, parent)
+                if parent is not None:
+                    parent.kids.add(node)
+            if tenant not in node.access:
+                self.size[tenant] += self.block
+            node.access[tenant] = now
+            parent = node
+
+    def touch(self, node: _Node | None, tenant: str, now: float) -> None:
+        while node is not None:
+            node.access[tenant] = now
+            node = node.parent
+
+    def _release(self, node: _Node, tenant: str) -> None:
+        del node.access[tenant]
+        self.size[tenant] -= self.block
+        if not node.access and not node.kids:
+            del self.nodes[node.key]
+            if node.parent is not None:
+                node.parent.kids.discard(node)
+
+    def remove_tenant(self, tenant: str) -> None:
+        for node in sorted((n for n in self.nodes.values() if tenant in n.access),
+                           key=lambda n: -len(self._path(n))):
+            self._release(node, tenant)
+        self.size.pop(tenant, None)
+
+    @staticmethod
+    def _path(node: _Node) -> list[_Node]:
+        out = []
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def _is_leaf(self, node: _Node, tenant: str) -> bool:
+        return tenant in node.access and not any(tenant in k.access for k in node.kids)
+
+    def evict(self, max_tokens: int) -> None:
+        """`evict_tenant_by_size`: per tenant over budget, least recently used leaves first."""
+        for tenant, size in list(self.size.items()):
+            if size <= max_tokens:
+                continue
+            heap = [(n.access[tenant], id(n), n) for n in self.nodes.values() if self._is_leaf(n, tenant)]
+            heapq.heapify(heap)
+            while heap and self.size[tenant] > max_tokens:
+                _, _, node = heapq.heappop(heap)
+                parent = node.parent
+                self._release(node, tenant)
+                if parent is not None and self._is_leaf(parent, tenant):
+                    heapq.heappush(heap, (parent.access[tenant], id(parent), parent))
+
+
+class CacheAware:
+    """sglang-router 0.3.2 `cache_aware` (`policies/cache_aware.rs`, `policies/tree.rs`); the
+    vllm-router 0.1.17 one is the same algorithm (a fork) with its own eviction default.
+
+    Imbalanced when max load − min load > balance_abs_threshold (64) and max load >
+    balance_rel_threshold (1.5) × min load, loads being the router's in-flight counts over
+    all workers: then the least loaded worker (first on ties), and the prompt is still
+    inserted under it. Otherwise the longest prefix match in the tree: if matched / prompt
+    length > cache_threshold (0.3), the deepest matched node's first tenant (hash order,
+    not load), else the tenant with the smallest tree; the prompt is inserted under the
+    choice. Eviction: every eviction_interval_secs (sglang-router 60, vllm-router 120)
+    each worker's tree is cut back to max_tree_size characters (2^25), LRU leaves first."""
+
+    name = "cache_aware"
+
+    def __init__(self, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, eviction_interval_s: float = 60.0,
+                 max_tree_chars: int = 1 << 25, chars_per_token: int = 4, block: int = 4, **_: object):
+        self.cache_threshold = cache_threshold
+        self.balance_abs, self.balance_rel = balance_abs_threshold, balance_rel_threshold
+        self.eviction_interval_s = eviction_interval_s
+        self.max_tree_tokens = max_tree_chars // chars_per_token
+        self.tree = ApproxTree(block)
+        self.next_eviction = eviction_interval_s
+
+    def _first_tenant(self, tenants) -> str:
+        # DashMap iteration order: fixed per key set, unrelated to load or recency
+        return min(tenants, key=lambda t: mmh3.hash(t, signed=False))
+
+    def choose(self, req, workers, inflight, now):
+        tree = self.tree
+        if now >= self.next_eviction:
+            tree.evict(self.max_tree_tokens)
+            self.next_eviction = now + self.eviction_interval_s
+        for w in workers:
+            tree.add_tenant(w)  # init_workers: every worker starts with an empty tree
+        chain = tree.chain(req.tokens)
+        loads = [inflight.get(w, 0) for w in workers]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+            target = workers[loads.index(lo)]
+        else:
+            depth, node = tree.match(chain)
+            rate = depth * tree.block / len(req.tokens) if req.tokens else 0.0
+            if rate > self.cache_threshold and node is not None and node.access:
+                target = self._first_tenant(node.access)
+                tree.touch(node, target, now)
+            else:
+                target = min((w for w in workers), key=lambda w: (tree.size.get(w, 0), workers.index(w)))
+            if target not in workers:
+                tree.remove_tenant(target)
+                target = workers[0]
+        tree.insert(chain, target, now)
+        return target
+
+    def forget(self, worker):
+        self.tree.remove_tenant(worker)
+
+
+# -- consistent hashing -------------------------------------------------------------------
+class _Ring:
+    def __init__(self, point: Callable[[str], int], points_per_worker: int, label: Callable[[str, int], str]):
+        self.point, self.n, self.label = point, points_per_worker, label
+        self.workers: tuple[str, ...] = ()
+        self.points: list[int] = []
+        self.owners: list[str] = []
+
+    def owner(self, key: str, workers: Sequence[str]) -> str:
+        if tuple(workers) != self.workers:  # rebuilt when the worker set changes, as both do
+            pairs = sorted((self.point(self.label(w, i)), w) for w in workers for i in range(self.n))
+            self.points = [p for p, _ in pairs]
+            self.owners = [w for _, w in pairs]
+            self.workers = tuple(workers)
+        i = bisect_left(self.points, self.point(key))
+        return self.owners[i % len(self.owners)]
+
+
+class VllmConsistentHash:
+    """vllm-router 0.1.17 `consistent_hash` (`policies/consistent_hash.rs`, `hash_key.rs`): a
+    ring of 160 virtual nodes per worker; the key is the first header present of
+    x-session-id, x-user-id, x-tenant-id, x-correlation-id, x-request-id, x-trace-id, then
+    the body's session/user fields. The live client sends X-LB-Session/X-LB-User (not on
+    that list) and an X-Request-Id per request, so the key is the request id: every
+    request lands on an effectively random worker. Ring hash: mmh3 here (the router uses
+    mcrouter's furc+murmur; only the spread matters for the model)."""
+
+    name = "consistent_hash"
+
+    def __init__(self, **_: object):
+        self.ring = _Ring(lambda s: mmh3.hash64(s, signed=False)[0], 160, lambda w, i: f"{w}:{i}")
+
+    def choose(self, req, workers, inflight, now):
+        return self.ring.owner(f"header:x-request-id:{req.request_id}", workers)
+
+    def forget(self, worker):
+        pass
+
+
+class NginxHashConsistent:
+    """nginx `hash $lb_session_key consistent` (ngx_http_upstream_hash_module, ketama): each
+    server gets 160 points (weight 1) on a CRC32 ring, the key's CRC32 picks the first point
+    at or after it, wrapping. The key is X-LB-Session, else the request id (the map in
+    bench/systems.py), so a conversation or a tree stays on one replica whatever its load."""
+
+    name = "hash-session"
+
+    def __init__(self, **_: object):
+        self.ring = _Ring(lambda s: zlib.crc32(s.encode()), 160, lambda w, i: f"{w}\0{i}")
+
+    def choose(self, req, workers, inflight, now):
+        return self.ring.owner(req.session or req.request_id, workers)
+
+    def forget(self, worker):
+        pass
+
+
+# -- least connections --------------------------------------------------------------------
+class NginxLeastConn:
+    """nginx `least_conn` (ngx_http_upstream_least_conn_module): the server with the fewest
+    active connections (weights equal); among ties, weighted round robin, which for equal
+    weights takes the tied servers in turn."""
+
+    name = "least_conn"
+
+    def __init__(self, **_: object):
+        self.turn = 0
+
+    def choose(self, req, workers, inflight, now):
+        best = min(inflight.get(w, 0) for w in workers)
+        tied = [w for w in workers if inflight.get(w, 0) == best]
+        worker = tied[self.turn % len(tied)]
+        self.turn += 1
+        return worker
+
+    def forget(self, worker):
+        pass
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One peer system: its report name, the policy model, and that model's options."""
+
+    name: str
+    factory: Callable[..., PeerPolicy]
+    options: dict = field(default_factory=dict)
+
+    def build(self, seed: int) -> PeerPolicy:
+        return self.factory(seed=seed, **self.options)
+
+
+PEERS: dict[str, PeerSpec] = {s.name: s for s in (
+    PeerSpec("sglang-router cache_aware", CacheAware, {"eviction_interval_s": 60.0}),
+    PeerSpec("sglang-router power_of_two", PowerOfTwo),
+    PeerSpec("sglang-router round_robin", RoundRobin),
+    PeerSpec("vllm-router cache_aware", CacheAware, {"eviction_interval_s": 120.0}),
+    PeerSpec("vllm-router power_of_two", PowerOfTwo),
+    PeerSpec("vllm-router round_robin", RoundRobin),
+    PeerSpec("vllm-router consistent_hash", VllmConsistentHash),
+    PeerSpec("nginx least_conn", NginxLeastConn),
+    PeerSpec("nginx hash-session", NginxHashConsistent),
+)}

@@ -1,0 +1,177 @@
+"""The proving ground's workloads: fleet shape, client model and run length, by name.
+
+`WORKLOADS` is the registry (`register` adds one; `lb-bench sim-compare --list` prints it).
+A workload offers load in one of two ways, both scaled to a share of the fleet's capacity:
+- `programs`: closed-loop programs of a live workload (bench/workloads) arriving as a
+  Poisson stream per region (`rate = load × capacity / requests per program`);
+- `replay`: an open-loop trace, its arrival times compressed or stretched so the mean rate
+  is `load × capacity`.
+Capacity (requests/s the fleet completes when saturated) is measured in the simulator by
+`saturate`: the same request mix from enough closed-loop clients to keep every replica's
+batch full, behind `lb`'s default configuration.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from bench import traces
+from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
+from bench.sim.clients import Programs, Replay, Timed
+from bench.workloads import make_workload
+from bench.workloads.base import pseudo_text, rng_for
+from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
+from bench.tokenizer import encode
+
+ONE_REGION = FleetSpec((RegionSpec("local", 4),))
+# SkyWalker's inter-region one-way latencies; clients skewed 2:1:1 as its 40/20/20.
+SKYWALKER_MS = {"us-eu": 40.0, "us-asia": 80.0, "eu-asia": 90.0}
+THREE_REGIONS = FleetSpec((RegionSpec("us", 2, weight=2.0), RegionSpec("eu", 2), RegionSpec("asia", 2)),
+                          latency_ms=SKYWALKER_MS)
+HETEROGENEOUS = FleetSpec((RegionSpec("local", 4, slow_replicas=2),), slow_factor=2.0)
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    fleet: FleetSpec
+    kind: str  # "programs" | "replay"
+    duration_s: float = 300.0
+    quick_duration_s: float = 60.0
+    program: dict = field(default_factory=dict)  # programs: bench.workloads name + params
+    requests_per_program: float = 1.0
+    calls: Callable[[int], Iterator[Timed]] | None = None  # replay: seed -> unscaled timed calls
+    natural_rps: Callable[[], float] | None = None  # replay: the trace's own mean rate
+
+    def make_program_workload(self, seed: int):
+        params = dict(self.program)
+        return make_workload(params.pop("workload"), seed=seed, **params)
+
+    def drive(self, arena: Arena, *, seed: int, rate_rps: float, stop_at: float) -> object:
+        """Offer `rate_rps` requests per second to `arena` until `stop_at`."""
+        fleet = self.fleet
+        total = sum(r.weight for r in fleet.regions)
+        if self.kind == "programs":
+            programs = Programs(arena, self.make_program_workload(seed), stop_at=stop_at)
+            per_program = rate_rps / self.requests_per_program
+            programs.arrivals({r.name: per_program * r.weight / total for r in fleet.regions}, seed)
+            return programs
+        scale = self.natural_rps() / rate_rps  # trace seconds per simulated second
+        scaled = (Timed(t.at * scale, t.call) for t in self.calls(seed))
+        return Replay(arena, scaled, stop_at=stop_at)
+
+    def saturate(self, arena: Arena, *, seed: int, stop_at: float) -> None:
+        """Enough closed-loop clients to keep every replica full (for `capacity`)."""
+        clients = 24 * self.fleet.replicas
+        regions = [r.name for r in self.fleet.regions]
+        if self.kind == "programs":
+            programs = Programs(arena, self.make_program_workload(seed), stop_at=stop_at)
+            programs.clients({name: clients // len(regions) for name in regions})
+            return
+        calls = self.calls(seed)
+
+        def next_call(_done=None) -> None:
+            if arena.loop.now >= stop_at:
+                return
+            item = next(calls, None)
+            if item is not None:
+                arena.send(item.call, next_call)
+
+        for _ in range(clients):
+            next_call()
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def register(workload: Workload) -> Workload:
+    WORKLOADS[workload.name] = workload
+    return workload
+
+
+def get(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)} (lb-bench sim-compare --list)")
+    return WORKLOADS[name]
+
+
+# -- open-loop traces ---------------------------------------------------------------------
+MOONCAKE_SIZE_SCALE = 0.25  # as compare-mooncake: 128-token blocks, contexts clipped to 2,048
+MOONCAKE_MAX_INPUT = 2048
+
+
+def mooncake_calls(seed: int) -> Iterator[Timed]:
+    """Mooncake's conversation trace: equal hash ids are equal token blocks (prefixes kept)."""
+    block = max(1, round(traces.MOONCAKE_BLOCK_TOKENS * MOONCAKE_SIZE_SCALE))
+    for i, row in enumerate(traces.mooncake_conversation()):
+        n = min(MOONCAKE_MAX_INPUT, max(1, round(row.input_length * MOONCAKE_SIZE_SCALE)))
+        tokens: list[int] = []
+        for h in row.hash_ids:
+            if len(tokens) >= n:
+                break
+            tokens.extend(range((h + 1) << 20, ((h + 1) << 20) + block))
+        tokens = tokens[:n]
+        yield Timed(row.t, Call(f"mooncake-{i}", "local", tokens,
+                                max(1, round(row.output_length * MOONCAKE_SIZE_SCALE)), user="mooncake"))
+
+
+@functools.cache
+def _mooncake_rps() -> float:
+    rows = traces.mooncake_conversation()
+    return len(rows) / max(1e-9, rows[-1].t - rows[0].t)
+
+
+BURSTY_TENANTS = 8
+BURSTY_SIZE_SCALE = 0.5  # Azure conversation shapes, halved to fit the L4's 8k context with room
+
+
+def bursty_calls(seed: int) -> Iterator[Timed]:
+    """ServeGen's busiest tenants at noon (Gamma/Weibull inter-arrivals with the trace's own
+    CVs, per 10-minute window), each request an Azure conversation shape; 1 req/s in all
+    before scaling. Prompts are unique (no shared prefixes)."""
+    sg = ServeGen(seed=seed, tenants=BURSTY_TENANTS, total_rps=1.0)
+    chosen = sg.chosen()
+    total = sum(next((w.rate for w in ws if w.start <= sg.start < w.start + traces.SERVEGEN_WINDOW_S), 0.0)
+                for ws in chosen.values())
+    factor = 1.0 / total if total > 0 else 0.0
+    streams = [labelled(c, tenant_arrivals(ws, sg.start, factor, rng_for(seed, "bursty", c)))
+               for c, ws in chosen.items()]
+    sizes = traces.azure_conv()
+    size_rng = rng_for(seed, "bursty", "sizes")
+    for i, (t, client) in enumerate(heapq.merge(*streams)):
+        row = size_rng.choice(sizes)
+        n = max(1, round(row.context_tokens * BURSTY_SIZE_SCALE))
+        base = (i + 1) << 24
+        yield Timed(t, Call(f"bursty-{i}", "local", list(range(base, base + n)),
+                            max(1, round(row.generated_tokens * BURSTY_SIZE_SCALE)), user=f"sg-{client}"))
+
+
+# -- the registry -------------------------------------------------------------------------
+TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
+
+register(Workload("tot", "Tree of Thoughts over GSM8K, 2-branch depth 4 (15 requests a tree; "
+                  "siblings share the parent's prompt and answer), 4 L4 replicas",
+                  ONE_REGION, "programs", program=TOT, requests_per_program=15))
+register(Workload("mixed-tree", "Tree of Thoughts, every 4th tree 4-branch (85 requests) and the "
+                  "rest 2-branch (15), depth 4, 4 L4 replicas",
+                  ONE_REGION, "programs", program={**TOT, "workload": "mixed-tree", "wide_every": 4},
+                  requests_per_program=(3 * 15 + 85) / 4))
+register(Workload("multiturn", "4-turn conversations over MT-Bench questions (real turn texts; each "
+                  "turn carries the whole history and the real previous answer), 128-token answers, 4 L4 replicas",
+                  ONE_REGION, "programs", program={"workload": "multiturn", "turns": 4, "output_tokens": 128},
+                  requests_per_program=4))
+register(Workload("mooncake", "Mooncake conversation trace replay (open loop), prefix blocks kept "
+                  f"(block and sizes x{MOONCAKE_SIZE_SCALE:g}, contexts clipped to {MOONCAKE_MAX_INPUT}), 4 L4 replicas",
+                  ONE_REGION, "replay", calls=mooncake_calls, natural_rps=_mooncake_rps))
+register(Workload("bursty", f"ServeGen's {BURSTY_TENANTS} busiest tenants at noon (bursty Gamma/Weibull "
+                  "inter-arrivals) with Azure conversation sizes (x0.5), open loop, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=bursty_calls, natural_rps=lambda: 1.0))
+register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
+                  HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
+register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "
+                  "one-way WAN 40/80/90 ms), 2 L4 replicas each; lb per region with peering, each peer "
+                  "one central router in us", THREE_REGIONS, "programs", program=TOT, requests_per_program=15))

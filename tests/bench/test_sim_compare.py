@@ -1,0 +1,84 @@
+"""sim-compare: peer policy models decide as their sources say; the CLI writes the issue's schema."""
+from __future__ import annotations
+
+import json
+
+from bench.sim.peer_policies import (CacheAware, NginxHashConsistent, NginxLeastConn, PeerRequest, PowerOfTwo,
+                                     RoundRobin, VllmConsistentHash)
+
+WORKERS = ["w0", "w1", "w2", "w3"]
+
+
+def req(i: int, tokens, session=None) -> PeerRequest:
+    return PeerRequest(f"r{i}", list(tokens), session=session)
+
+
+def test_cache_aware_follows_the_prefix_until_the_imbalance_thresholds():
+    policy = CacheAware()
+    shared = range(1000)
+    first = policy.choose(req(0, shared), WORKERS, {w: 0 for w in WORKERS}, 0.0)
+    # a prompt that matches > 30 % goes where the prefix went, even when that worker is busier...
+    loads = {w: 0 for w in WORKERS} | {first: 64}
+    assert policy.choose(req(1, list(shared) + [7, 7, 7]), WORKERS, loads, 1.0) == first
+    # ...until max - min > 64 and max > 1.5 x min: then the least loaded (first on ties)
+    loads[first] = 65
+    least = next(w for w in WORKERS if loads[w] == 0)
+    assert policy.choose(req(2, list(shared) + [8, 8]), WORKERS, loads, 2.0) == least
+    # an unrelated prompt (match <= 30 %) goes to the smallest tree: not the ones holding prompts
+    fresh = policy.choose(req(3, range(5000, 6000)), WORKERS, {w: 0 for w in WORKERS}, 3.0)
+    assert fresh not in (first, least)
+
+
+def test_cache_aware_eviction_cuts_each_tree_to_its_budget_oldest_first():
+    policy = CacheAware(max_tree_chars=4 * 300, eviction_interval_s=10.0)
+    zero = {w: 0 for w in WORKERS}
+    prompts = [list(range(i * 1000, i * 1000 + 200)) for i in range(6)]
+    picks = [policy.choose(req(i, p), WORKERS, zero, float(i)) for i, p in enumerate(prompts)]
+    assert picks[4] == picks[0] and policy.tree.size[picks[0]] == 400  # smallest tree: w0 again
+    policy.choose(req(9, range(50_000, 50_200)), WORKERS, zero, 11.0)  # the eviction tick passed
+    assert policy.tree.size[picks[0]] <= 300
+    tree = policy.tree
+    old_depth, _ = tree.match(tree.chain(prompts[0]))
+    new_depth, _ = tree.match(tree.chain(prompts[4]))
+    assert old_depth < 50 == new_depth  # the least recently used prompt lost its leaves, not the newer one
+
+
+def test_round_robin_power_of_two_and_least_conn():
+    rr = RoundRobin()
+    assert [rr.choose(req(i, [1]), WORKERS, {}, 0) for i in range(5)] == WORKERS + ["w0"]
+    p2 = PowerOfTwo(seed=1)
+    assert {p2.choose(req(i, [1]), ["a", "b"], {"a": 3, "b": 1}, 0) for i in range(20)} == {"b"}
+    lc = NginxLeastConn()
+    assert lc.choose(req(0, [1]), WORKERS, {"w0": 2, "w1": 0, "w2": 1, "w3": 0}, 0) == "w1"
+    assert lc.choose(req(1, [1]), WORKERS, {"w0": 2, "w1": 0, "w2": 1, "w3": 0}, 0) == "w3"  # ties in turn
+
+
+def test_hashing_keys_what_each_router_reads():
+    nginx = NginxHashConsistent()
+    picks = {nginx.choose(req(i, [1], session="conv-7"), WORKERS, {}, 0) for i in range(20)}
+    assert len(picks) == 1  # one session, one replica
+    vllm = VllmConsistentHash()
+    picks = {vllm.choose(req(i, [1], session="conv-7"), WORKERS, {}, 0) for i in range(40)}
+    assert len(picks) > 1  # keyed on X-Request-Id, which the live client sends per request
+
+
+def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
+    from bench.sim import compare, workloads_sim
+
+    monkeypatch.setattr(compare, "LB_VARIANTS", {"lb": {}})
+    monkeypatch.setattr(compare, "PEERS", {k: v for k, v in compare.PEERS.items() if k == "nginx least_conn"})
+    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "quick_duration_s", 15.0)
+    args = compare.argparse.Namespace(workload="tot", seeds=2, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1)
+    assert compare.run(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workload"] == "tot" and summary["seeds"] == 2
+    assert set(summary["systems"]) == {"lb", "nginx least_conn"}
+    for entry in summary["systems"].values():
+        for metric in ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cached_ratio"):
+            lo, hi = entry[metric]["ci95"]
+            assert lo <= entry[metric]["median"] <= hi
+        assert entry["errors"] == 0 and entry["cut_at_deadline"] > 0  # trees still running at the end
+        assert entry["throughput_rps"]["median"] > 0
+    assert (tmp_path / "report.md").read_text().count("| lb |") == 1
+    assert (tmp_path / "ttft_cdf.png").exists() and (tmp_path / "throughput.png").exists()
