@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# (label, getter) rows of the tables; getters read the run JSON schema (README, `client`).
+# (label, getter) rows of the tables; getters read the run JSON schema (docs/bench.md, run JSON).
 ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("requests", "{:.0f}", ("requests",)),
     ("ok", "{:.0f}", ("ok",)),

@@ -1,4 +1,4 @@
-"""Per-request records and their aggregation into the run JSON (README, section `client`).
+"""Per-request records and their aggregation into the run JSON (docs/bench.md, run JSON).
 
 Shared by the live client, the scenarios and the simulator, so a number means the same thing
 wherever it was measured. Pure Python: no numpy on the client's path.

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-# Identity headers: the LB honours the same names (README, section `client`).
+# Identity headers: the LB honours the same names (docs/bench.md, identity headers).
 H_USER = "X-LB-User"
 H_SESSION = "X-LB-Session"
 H_APP = "X-LB-App"

@@ -19,7 +19,7 @@ brought up to the LB:
   tree's other thoughts), so it frees a slot about when a thought of this length has
   decoded: the bound grows with max_tokens. Recomputing elsewhere costs more than the
   prefill when KV binds: the prefix then takes KV on two replicas, so fewer requests run
-  (sp-micro's long-thought regime: hold 1 s → cache hit 0.53; ~15 s → 0.7, README daemon).
+  (sp-micro's long-thought regime: hold 1 s → cache hit 0.53; ~15 s → 0.7, docs/results.md).
 - *Bounded unfairness*: an entry that has waited `max_bypass_s` is never jumped over by the
   reordering: no entry is passed over for longer than that (beyond what no head-of-line
   blocking already allows: others placed while nothing can take it). A hold delays only

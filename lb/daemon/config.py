@@ -51,7 +51,7 @@ class ServerConfig:
     admin_token: str = ""  # bearer token for /admin; empty disables admin (env LB_ADMIN_TOKEN)
     shutdown_grace_s: float = 30.0  # how long in-flight requests may finish on SIGTERM
     access_log: bool = True  # one JSON line per request on stdout
-    # Hostile clients (README `reliability`): a connection that has not sent a whole request
+    # Hostile clients (docs/reliability.md): a connection that has not sent a whole request
     # head this long after opening (slowloris), or idles this long between requests, is closed.
     idle_timeout_s: float = 60.0
     body_timeout_s: float = 30.0  # reading a request body longer than this: 408
