@@ -6,7 +6,10 @@ every stream its token of the step at once. Handlers only wait on their stream's
 write SSE. A client that disconnects aborts its request inside the engine (its KV is freed),
 as a real engine's abort does.
 
-Faces: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), SGLang
+Faces: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models` and
+`/v1/models/{id}`, `/v1/embeddings`, `/v1/audio/transcriptions|translations`), vLLM's
+`/rerank` (`/v1/rerank`, `/v2/rerank`), `/score` (`/v1/score`), `/tokenize` and
+`/detokenize` (bench/emulator_api.py), SGLang
 (`/generate`, `/v1/loads`, `/get_load`, `/server_info`, `/model_info` and their `get_`
 aliases, `/health`, `/health_generate`, `/ping`, `/flush_cache`, `/abort_request`) and one
 `/metrics` carrying both `sglang:*` and `vllm:*` families.
@@ -18,6 +21,7 @@ import asyncio
 import collections
 import signal
 import time
+import uuid
 from datetime import datetime, timezone
 
 import orjson
@@ -26,8 +30,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from bench.emulator_api import ApiFaces
 from bench.emulator_requests import (ApiError, GenRequest, parse_chat, parse_completion,
-                                     parse_generate, parse_json)
+                                     parse_generate, parse_json, parse_responses)
 from bench.engine import Engine, EngineRequest, Finished, StepResult
 from bench.profiles import PROFILES, Profile, get_profile
 from bench.tokenizer import decode
@@ -51,6 +56,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued", type=int,
                         help="reject with 503 'The request queue is full.' beyond this many "
                              "waiting requests (SGLang --max-queued-requests)")
+    parser.add_argument("--echo-headers", action="store_true",
+                        help="tests of a proxy: answer every request with the headers it arrived with "
+                             "(x-emulator-request-headers, JSON) and a few an engine or server may send")
 
 
 class Stream:
@@ -158,6 +166,8 @@ class Emulator:
         self.abort_calls = 0  # POST /abort_request received (a disconnect aborts without one)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_MetricsCollector(self))
+        self.api = ApiFaces(self)
+        self.echo_headers = False
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -218,6 +228,28 @@ class Emulator:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_generate, _GenerateShape(self))
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_responses, _ResponsesShape(self))
+
+    async def prefill(self, batch: list[list[int]]) -> None:
+        """Run each prompt through the engine (prefill and one step): what an embedding,
+        score or transcription costs. Aborted if the caller goes away."""
+        limit = self.engine.max_request_tokens()
+        if any(len(ids) + 1 > limit for ids in batch):
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens.", "input")
+        if any(not ids for ids in batch):
+            raise ApiError(400, "An input is empty.", "input")
+        streams = [self.driver.submit(GenRequest(f"pool-{uuid.uuid4().hex}", ids, 1, True, 0, False, False, None), 1)
+                   for ids in batch]
+        try:
+            for stream in streams:
+                while stream.finished is None:
+                    await stream.wait()
+        finally:
+            for stream in streams:
+                if stream.finished is None:
+                    self.driver.abort(stream.rid)
 
     # ---- SGLang / vLLM control and load ----------------------------------------------------
 
@@ -317,11 +349,27 @@ class Emulator:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        if self.echo_headers:
+            app.on_response_prepare.append(_echo_headers)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/generate", self.generate)
         r.add_get("/v1/models", self.models)
+        r.add_post("/v1/responses", self.responses)
+        api = self.api
+        r.add_get("/v1/models/{model:.+}", api.model)
+        r.add_post("/v1/embeddings", api.embeddings)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r.add_post(path, api.rerank)
+        for path in ("/score", "/v1/score"):
+            r.add_post(path, api.score)
+        for path in ("/tokenize", "/v1/tokenize"):
+            r.add_post(path, api.tokenize)
+        for path in ("/detokenize", "/v1/detokenize"):
+            r.add_post(path, api.detokenize)
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            r.add_post(path, api.audio)
         r.add_get("/v1/loads", self.loads)
         r.add_get("/get_load", self.get_load)
         for path in ("/server_info", "/get_server_info"):
@@ -351,6 +399,15 @@ _START = int(time.time())
 
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def _echo_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """--echo-headers: what a proxy passed on, and headers it should (not) pass back."""
+    response.headers["x-emulator-request-headers"] = orjson.dumps({str(k): v for k, v in request.headers.items()}).decode()
+    response.headers["openai-processing-ms"] = "7"
+    response.headers["x-ratelimit-remaining-requests"] = "99"
+    response.headers["X-LB-Replica"] = "forged-by-upstream"
+    response.headers["Set-Cookie"] = "session=upstream"
 
 
 @web.middleware
@@ -482,6 +539,40 @@ class _GenerateShape(_Shape):
         return orjson.dumps(self._body(g, stream))
 
 
+class _ResponsesShape(_Shape):
+    """OpenAI Responses: one `response` object; streamed as typed events."""
+
+    def _response(self, g: GenRequest, stream: Stream, status: str) -> dict:
+        text = decode(stream.tokens)
+        out = {"id": f"resp_{g.rid}", "object": "response", "created_at": self.created, "model": self.model,
+               "status": status, "output": [{"type": "message", "id": f"msg_{g.rid}", "role": "assistant",
+                                             "status": status, "content": [{"type": "output_text", "text": text,
+                                                                            "annotations": []}]}]}
+        if stream.finished is not None:
+            u = self.usage(stream)
+            out["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                            "total_tokens": u["total_tokens"],
+                            "input_tokens_details": {"cached_tokens": stream.finished.cached_tokens}}
+        return out
+
+    @staticmethod
+    def _event(kind: str, doc: dict) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **doc}) + b"\n\n"
+
+    def chunk(self, g, stream, new, first):
+        delta = self._event("response.output_text.delta", {"item_id": f"msg_{g.rid}", "output_index": 0,
+                                                           "content_index": 0, "delta": decode(new)})
+        if first:
+            return self._event("response.created", {"response": self._response(g, stream, "in_progress")}) + delta
+        return delta
+
+    def end(self, g, stream):
+        return [self._event("response.completed", {"response": self._response(g, stream, "completed")})]
+
+    def whole(self, g, stream):
+        return orjson.dumps(self._response(g, stream, "completed"))
+
+
 class _MetricsCollector:
     """Both engines' /metrics families from one engine snapshot, per scrape."""
 
@@ -540,6 +631,7 @@ async def serve(args: argparse.Namespace) -> None:
         kv_tokens=args.kv_tokens, max_running=args.max_running,
         decode_reserve=args.decode_reserve)
     emu = Emulator(profile, args.model or profile.model, args.speed, args.seed, args.max_queued)
+    emu.echo_headers = args.echo_headers
     # handler_cancellation: a client disconnect cancels its handler, which aborts the request
     runner = web.AppRunner(emu.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -143,3 +143,17 @@ def parse_generate(body: dict) -> GenRequest:
     stream = _typed(body, "stream", bool, "a boolean", False)
     # SGLang's default max_new_tokens for /generate is 128
     return _common(body, ids, 128 if max_new is None else max_new, ignore_eos, stream, False)
+
+
+def parse_responses(body: dict) -> GenRequest:
+    """OpenAI Responses: `input` a string or a list of messages, `max_output_tokens`."""
+    value = body.get("input")
+    if isinstance(value, str):
+        ids = encode(value)
+    elif isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        ids = encode(render_chat([{"role": str(m.get("role", "user")), "content": m.get("content")} for m in value]))
+    else:
+        raise ApiError(400, "'input' must be a string or a list of messages.", "input")
+    max_new = _positive(body, "max_output_tokens")
+    stream = _typed(body, "stream", bool, "a boolean", False)
+    return _common(body, ids, max_new, False, stream, False)

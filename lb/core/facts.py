@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from lb.core.routes import BY_NAME
 from lb.core.types import RequestFacts
 
 H_REQUEST_ID = "x-request-id"
@@ -39,24 +40,32 @@ def is_internal_header(name: str) -> bool:
     return name.lower().startswith(INTERNAL_PREFIXES)
 
 
+def _messages_text(messages: object) -> str:
+    parts = []
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):  # multimodal parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"{m.get('role', '')}: {content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
 def prompt_text(route: str, body: dict) -> str:
-    """The text prefix hashing works on: rendered messages, the prompt, or /generate's text."""
-    if route == "chat":
-        parts = []
-        for m in body.get("messages") or ():
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            if isinstance(content, list):  # multimodal parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role', '')}: {content if isinstance(content, str) else ''}\n")
-        return "".join(parts)
-    prompt = body.get("prompt") if route == "completions" else body.get("text")
-    if isinstance(prompt, list):
-        return "".join(p if isinstance(p, str) else str(p) for p in prompt)
-    if prompt is None and route == "generate" and body.get("input_ids") is not None:
-        return str(body["input_ids"])
-    return prompt if isinstance(prompt, str) else ""
+    """The text prefix hashing works on: the first of the route's prompt fields that is
+    present (`lb.core.routes`): rendered messages, a prompt, /generate's text or its ids."""
+    spec = BY_NAME.get(route)
+    for name in spec.prompt if spec else ("prompt",):
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "messages":
+            return _messages_text(value)
+        if isinstance(value, list) and name != "input_ids":
+            return "".join(p if isinstance(p, str) else str(p) for p in value)
+        return value if isinstance(value, str) else str(value)
+    return ""
 
 
 def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: str, now: float) -> RequestFacts:
@@ -74,9 +83,14 @@ def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: 
     if route == "completions" and body.get("prompt") is None:
         raise BadRequest("`prompt` is required", "prompt")
 
+    spec = BY_NAME.get(route)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if spec is not None and spec.output_field:
+        max_tokens = body.get(spec.output_field)
     if route == "generate" and isinstance(body.get("sampling_params"), dict):
         max_tokens = body["sampling_params"].get("max_new_tokens")
+    if spec is not None and not spec.generates:
+        max_tokens = 0  # embeddings, scores, tokenize: no decode, nothing to reserve KV for
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
         raise BadRequest("`max_tokens` must be a non-negative integer", "max_tokens")
     text = prompt_text(route, body)

@@ -158,7 +158,8 @@ class PeerStatus:
         self.healthy = False
 
     def serves(self, model: str) -> bool:
-        return not self.models or model in self.models
+        """A request naming no model (SGLang's /generate) takes any replica's own model."""
+        return not model or not self.models or model in self.models
 
 
 def residency_allows(tag: str | None, allowed: Sequence[str]) -> bool:

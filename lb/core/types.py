@@ -57,7 +57,8 @@ class ReplicaView:
     draining: bool = False  # removed by admin/reload: finish in-flight, take nothing new
 
     def serves(self, model: str) -> bool:
-        return not self.models or model in self.models
+        """A request naming no model (SGLang's /generate) takes any replica's own model."""
+        return not model or not self.models or model in self.models
 
 
 @dataclass(frozen=True)

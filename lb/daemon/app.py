@@ -30,6 +30,7 @@ from lb.daemon.peers import STATUS_PATH as PEER_STATUS_PATH, Peers
 from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
+from lb.daemon.surface import add_routes as add_api_routes, fanout
 
 log = logging.getLogger("lb")
 
@@ -111,6 +112,7 @@ class LB:
 
 # SIGHUP applies these keys live: each is read per decision, nothing was sized by it.
 HOT_RELOAD = {
+    "proxy": ("forward_headers",),
     "pushing": ("mode", "max_outstanding", "push_credit", "max_unseen"),
     "queue": ("max_len", "timeout_s", "retry_after_s"),
     "fairness": ("throttle", "window_s", "user_rpm", "app_rpm", "user_rpm_overrides", "app_rpm_overrides"),
@@ -128,18 +130,6 @@ def build_app(cfg: Config) -> web.Application:
 
     def lb_of(request: web.Request) -> LB:
         return request.app[STATE]
-
-    @routes.post("/v1/chat/completions")
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await lb_of(request).proxy.handle(request, "chat")
-
-    @routes.post("/v1/completions")
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await lb_of(request).proxy.handle(request, "completions")
-
-    @routes.post("/generate")
-    async def generate(request: web.Request) -> web.StreamResponse:
-        return await lb_of(request).proxy.handle(request, "generate")
 
     @routes.get("/v1/models")
     async def models(request: web.Request) -> web.Response:
@@ -224,6 +214,9 @@ def build_app(cfg: Config) -> web.Application:
         return await lb_of(request).peers.handle_status(request)
 
     app.add_routes(routes)
+    # the inference surface (lb.core.routes: one declaration per route), then OpenAI-shaped 404/405
+    add_api_routes(app, lambda request, route: lb_of(request).proxy.handle(request, route),
+                   lambda request, route: fanout(request, route, lb_of(request).registry, lb_of(request).cfg))
 
     async def lifecycle(app: web.Application):
         lb = LB(cfg)

@@ -33,6 +33,7 @@ class Flight(dict):
     def __init__(self, request: web.Request, outcome):
         super().__init__((k, v) for k, v in request.items() if isinstance(k, str))
         self.headers = request.headers
+        self.method, self.path_qs = request.method, request.path_qs  # what goes upstream
         self.out = outcome  # the proxy's Outcome of the one upstream request
         self.status: int | None = None
         self.reply_headers: dict = {}

@@ -71,6 +71,21 @@ class UpstreamConfig:
     first_byte_timeout_s: float = 15.0
 
 
+# Request headers passed upstream besides the ones every request carries (Content-Type, Accept,
+# Authorization unless [identity] api_keys is set or the replica has its own key, X-Request-Id).
+DEFAULT_FORWARD_HEADERS = ("traceparent", "tracestate", "OpenAI-Organization", "OpenAI-Project")
+# Never forwarded, whatever the allowlist says: hop-by-hop and framing headers (RFC 9110 7.6.1),
+# and lb's own namespace (identity, tiers, peering: `x-lb-*`).
+NEVER_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                             "trailer", "transfer-encoding", "upgrade", "host", "content-length", "cookie"})
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    # names, or prefixes ending in `*` (e.g. "x-trace-*"), matched case-insensitively
+    forward_headers: tuple[str, ...] = DEFAULT_FORWARD_HEADERS
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     interval_s: float = 0.1
@@ -120,6 +135,7 @@ class ReplicaConfig:
 class Config:
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    proxy: ProxyConfig = ProxyConfig()  # headers passed upstream (docs/api.md)
     probes: ProbeConfig = ProbeConfig()
     pushing: PushingConfig = PushingConfig()
     queue: QueueConfig = QueueConfig()
@@ -143,7 +159,7 @@ class Config:
     source: str = ""  # the file it came from; SIGHUP re-reads it
 
 
-_SECTIONS = {"server": ServerConfig, "upstream": UpstreamConfig, "probes": ProbeConfig,
+_SECTIONS = {"server": ServerConfig, "upstream": UpstreamConfig, "proxy": ProxyConfig, "probes": ProbeConfig,
              "pushing": PushingConfig, "queue": QueueConfig, "affinity": AffinityConfig, "routing": RoutingConfig, "breaker": BreakerConfig}
 
 
@@ -224,6 +240,18 @@ def _check(cfg: Config) -> None:
     positive("server.idle_timeout_s", cfg.server.idle_timeout_s)
     positive("server.body_timeout_s", cfg.server.body_timeout_s)
     positive("server.max_connections", cfg.server.max_connections)
+    for i, name in enumerate(cfg.proxy.forward_headers):
+        path = f"proxy.forward_headers[{i}]"
+        bare = name.rstrip("*").lower()
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9a-z-]+", bare) or name.count("*") > (1 if name.endswith("*") else 0):
+            raise ConfigError(f"{path}: {name!r} is not a header name; write a name (\"traceparent\") or a prefix "
+                              f"ending in * (\"x-trace-*\")")
+        if bare.startswith("x-lb-") or (name.endswith("*") and "x-lb-".startswith(bare)):
+            raise ConfigError(f"{path}: {name!r} would pass lb's own x-lb-* headers (identity, tier, peering); "
+                              "those never go upstream: remove it")
+        if bare in NEVER_FORWARDED or (name.endswith("*") and any(h.startswith(bare) for h in NEVER_FORWARDED)):
+            raise ConfigError(f"{path}: {name!r} is a hop-by-hop or framing header lb sets itself; remove it "
+                              f"(never forwarded: {', '.join(sorted(NEVER_FORWARDED))})")
     if cfg.upstream.retries < 0:
         raise ConfigError(f"upstream.retries: must be >= 0, got {cfg.upstream.retries}")
     if cfg.pushing.mode not in PUSHING_MODES:

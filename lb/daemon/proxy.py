@@ -24,6 +24,7 @@ from aiohttp import web
 from lb.core.facts import H_REQUEST_ID, BadRequest, build_facts
 from lb.core.health import RETRYABLE_STATUSES, backoff_delay
 from lb.core.loadparse import usage_from_tail
+from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, least_busy
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.admission_gate import Gate
 from lb.daemon.config import Config
@@ -32,6 +33,7 @@ from lb.daemon.errors import LBError, normalize_upstream_error, sse_error_event
 from lb.daemon.coalescing import Coalescing, Flight
 from lb.daemon.jobs import Jobs
 from lb.daemon.registry import Registry, Replica
+from lb.daemon.surface import MultipartBody, read_multipart, reply_headers, upstream_headers
 
 log = logging.getLogger("lb.proxy")
 
@@ -41,17 +43,8 @@ TAIL_BYTES = 4096  # the usage chunk of an SSE stream fits comfortably
 # when a request outgrows it, so a few tokens' lag changes nothing, and a chunk costs one
 # bytes.count and a comparison instead of a call per listener.
 PROGRESS_EVERY = 16
-ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                    aiohttp.ServerTimeoutError, asyncio.TimeoutError, ConnectionError)
-
-
-def _any_engine(view: ReplicaView) -> bool:
-    return True
-
-
-def _sglang_only(view: ReplicaView) -> bool:
-    return view.engine == "sglang"
 
 
 # What the first line of a server-sent event stream can be (a field, a comment, a blank line).
@@ -62,6 +55,11 @@ class _Detached(dict):
     """Stands in for the client request of work nobody waits on over HTTP (`Proxy.call`)."""
 
     headers: dict = {}
+    method = "POST"
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path_qs = path
 
 
 class ClientGone(Exception):
@@ -142,10 +140,10 @@ class Proxy:
         self.coalescing = Coalescing(cfg.coalesce, metrics)  # identical temperature-0 requests share one
         self.access_log = AccessLog() if cfg.server.access_log else None
 
-    async def handle(self, request: web.Request, route: str) -> web.StreamResponse:
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = request.headers.get(H_REQUEST_ID) or uuid.uuid4().hex
-        out = Outcome(request_id=rid, route=route)
+        out = Outcome(request_id=rid, route=route.name)
         task = asyncio.current_task()
         self.inflight.add(task)
         try:
@@ -199,10 +197,16 @@ class Proxy:
                 log.warning("%d requests did not end after being cut", len(self.inflight))
         return len(cut)
 
-    async def _handle(self, request: web.Request, route: str, rid: str, t0: float, out: Outcome) -> web.StreamResponse:
+    async def _body(self, request: web.Request, route: Route) -> tuple[bytes | MultipartBody, dict]:
+        """The request body as forwarded, and the document routing reads (its model at least)."""
         limit = self.cfg.server.max_body_bytes
         if request.content_length is not None and request.content_length > limit:  # refused unread
             raise LBError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        if route.body == MULTIPART:  # streamed on after its `model` field
+            upload, model = await read_multipart(request, self.cfg)
+            return upload, {"model": model}
+        if route.body != JSON:
+            return b"", {"model": request.match_info["model"]} if route.model == PATH else {}
         try:
             async with asyncio.timeout(self.cfg.server.body_timeout_s):  # a trickled body holds a connection
                 body = await request.read()
@@ -217,8 +221,12 @@ class Proxy:
             raise LBError(400, f"request body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(doc, dict):
             raise LBError(400, "request body must be a JSON object", code="invalid_json")
+        return body, doc
+
+    async def _handle(self, request: web.Request, route: Route, rid: str, t0: float, out: Outcome) -> web.StreamResponse:
+        body, doc = await self._body(request, route)
         try:
-            facts = build_facts(route, doc, request.headers, rid, t0)
+            facts = build_facts(route.name, doc, request.headers, rid, t0)
         except BadRequest as e:
             raise LBError(400, str(e), code="invalid_request", param=e.param)
         if self.peering is not None:  # 401 for a bad peer signature; hops=1 for a peer's forward
@@ -226,7 +234,7 @@ class Proxy:
         fairness = self.dispatcher.fairness
         facts = fairness.identify(request.headers, doc, facts)  # 400/401 on bad identity
         out.model, out.stream, out.user = facts.model, facts.stream, facts.user
-        accepts = _sglang_only if route == "generate" else _any_engine
+        accepts = route.accepts
         peers_serve = self.peering is not None and self.peering.serves(facts, accepts)
         if facts.model and not self.registry.knows_model(facts.model) and not peers_serve:
             raise LBError(404, f"The model `{facts.model}` does not exist; GET /v1/models lists the served ones",
@@ -237,11 +245,12 @@ class Proxy:
         await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
                                       any(self.dispatcher.available(r.view) for r in self.registry.active()))
         if self.jobs.durable(request):  # 202 and a job id: served later, survives a restart
-            return await self.jobs.accept(request, ROUTE_PATHS[route], doc, facts)
-        facts = await self.gate.admit(request, facts, doc)  # 429/503 early, degrade, NIW held
-        if self.coalescing.enabled:
+            return await self.jobs.accept(request, request.path, doc, facts)
+        if route.dispatch != DIRECT:  # a tokenize call is not judged against an SLO
+            facts = await self.gate.admit(request, facts, doc)  # 429/503 early, degrade, NIW held
+        if self.coalescing.enabled and route.body == JSON:
             return await self.coalescing.serve(
-                request, route, doc, facts.user, rid, out, lambda: Outcome(request_id=rid, route=route),
+                request, route.name, doc, facts.user, rid, out, lambda: Outcome(request_id=rid, route=route.name),
                 lambda req, o: self._forward(req, route, body, doc, facts, accepts, rid, t0, o),
                 _send, lambda: asyncio.current_task() in self._cut)
         return await self._forward(request, route, body, doc, facts, accepts, rid, t0, out)
@@ -251,9 +260,9 @@ class Proxy:
         queue, retries included; returns the answer a client would have got."""
         t0 = time.monotonic()
         out = Outcome(request_id=facts.request_id, route=route, model=facts.model, user=facts.user)
-        accepts = _sglang_only if route == "generate" else _any_engine
+        spec = BY_NAME[route]
         try:
-            return await self._forward(_Detached(), route, orjson.dumps(doc), doc, facts, accepts,
+            return await self._forward(_Detached(spec.paths[0]), spec, orjson.dumps(doc), doc, facts, spec.accepts,
                                        facts.request_id, t0, out)
         except LBError as e:
             out.status, out.reason = e.status, e.reason
@@ -262,24 +271,27 @@ class Proxy:
             out.e2e_s = time.monotonic() - t0
             self._account(out)
 
-    async def _forward(self, request, route, body, doc, facts, accepts, rid, t0, out) -> web.StreamResponse:
+    async def _forward(self, request, route: Route, body, doc, facts, accepts, rid, t0, out) -> web.StreamResponse:
         up = self.cfg.upstream
         tried: set[str] = set()
-        headers = self._upstream_headers(request, rid)
-        if self.cfg.identity.api_keys:  # then the client's key is the LB's credential: never leak it upstream
-            headers.pop("Authorization", None)
+        headers = upstream_headers(request, rid, self.cfg, route)
         ticket = self.dispatcher.ticket()  # a retry keeps the queue place the request arrived with
         while True:
-            rep, waited = await self.dispatcher.acquire(facts, accepts, frozenset(tried), ticket)
+            if route.dispatch == DIRECT:
+                rep, waited = self._direct(facts, accepts, tried), 0.0
+            else:
+                rep, waited = await self.dispatcher.acquire(facts, accepts, frozenset(tried), ticket)
             out.attempts += 1
             out.target = rep.id
             out.queue_wait_s = (out.queue_wait_s or 0.0) + waited
             try:
                 last_try = out.attempts > up.retries
-                payload = self.gate.body_for(request, rep.view.engine, facts, doc, body)
-                sent, payload = _with_sglang_rid(rep.view.engine, route, doc, payload)
+                payload, sent = body, doc
+                if route.generates and route.body == JSON:  # the tier's priority, an SGLang rid
+                    payload = self.gate.body_for(request, rep.view.engine, facts, doc, body)
+                    sent, payload = _with_sglang_rid(rep.view.engine, route.name, doc, payload)
                 try:
-                    resp, retry_reason = await self._open(rep, route, payload, headers, last_try, facts.stream)
+                    resp, retry_reason = await self._open(rep, request, payload, headers, last_try, facts.stream)
                 except asyncio.CancelledError:  # the client left while the engine held the request
                     self._abort_sglang(rep, sent)
                     raise
@@ -290,12 +302,17 @@ class Proxy:
                         retry_reason = r.reason
             finally:
                 self.registry.completed(rep)
-                # every attempt was charged at dispatch: correct it with the real token counts
-                self.dispatcher.fairness.completed(facts, time.monotonic(), out.usage)
-                for fn in self.dispatcher.on_complete:  # capacity: forecast, length model, anticipator
-                    fn(facts, rep, out, time.monotonic())
+                if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
+                    # every attempt was charged at dispatch: correct it with the real token counts
+                    self.dispatcher.fairness.completed(facts, time.monotonic(), out.usage)
+                    for fn in self.dispatcher.on_complete:  # capacity: forecast, length model, anticipator
+                        fn(facts, rep, out, time.monotonic())
             if rep.view.engine == "peer" and self.peering is not None:
                 self.peering.forward_failed(rep, retry_reason)  # not chosen again until its status is good
+            if isinstance(body, MultipartBody) and (body.error or not body.replayable):
+                raise body.error or LBError(502, f"upstream {rep.id} failed while the upload streamed to it "
+                                                 f"({retry_reason}); a streamed upload cannot be replayed",
+                                            code="upstream_unavailable", retry_after=1)
             if out.attempts > up.retries:
                 raise LBError(502, f"upstream replicas failed before answering ({retry_reason})",
                               code="upstream_unavailable", retry_after=1)
@@ -303,21 +320,42 @@ class Proxy:
             self.metrics.retries.labels(retry_reason).inc()
             await asyncio.sleep(backoff_delay(out.attempts, up.backoff_base_s, up.backoff_cap_s))
 
-    async def _open(self, rep: Replica, route: str, body: bytes, headers: dict,
-                    last_try: bool, stream: bool = False) -> tuple[aiohttp.ClientResponse | None, str]:
-        """POST upstream until its headers arrive; (None, reason) when another replica should try.
+    def _direct(self, facts: RequestFacts, accepts, tried: set[str]) -> Replica:
+        """A DIRECT route's replica, now: no queue, no pushing accounting (lb.core.routes)."""
+        now = time.monotonic()
+        views = [r.view for r in self.registry.active() if r.view.healthy and r.view.serves(facts.model)
+                 and accepts(r.view) and r.breaker.allows(now)]
+        view = least_busy([v for v in views if v.id not in tried]) or least_busy(views)
+        if view is None:
+            raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
+        rep = self.registry.get(view.id)
+        rep.view.outstanding += 1  # so a drain waits for it; `completed` gives it back
+        return rep
 
-        A refusal (502/503/504, e.g. an engine's "queue full") is passed on only on the last try.
+    async def _open(self, rep: Replica, request, body, headers: dict,
+                    last_try: bool, stream: bool = False) -> tuple[aiohttp.ClientResponse | None, str]:
+        """Send upstream until its headers arrive; (None, reason) when another replica should try.
+
+        A refusal (502/503/504, e.g. an engine's "queue full") is passed on only on the last try,
+        or when the body was an upload already streamed (it cannot be sent again).
         """
+        path = request.path_qs
         if rep.view.engine == "peer" and self.peering is not None:  # signed, hop-marked, identity carried
-            headers = self.peering.outbound_headers(headers, ROUTE_PATHS[route])
+            headers = self.peering.outbound_headers(headers, path.split("?", 1)[0])
         if rep.cfg.api_key:  # the replica's own key replaces the client's
             headers = {**headers, "Authorization": f"Bearer {rep.cfg.api_key}"}
+        if isinstance(body, MultipartBody):
+            headers = {**headers, **({"Content-Length": str(body.length)} if body.length is not None else {})}
+            data = body.payload()
+        else:
+            data = body or None
         try:
             # Engines send a stream's headers at once; a replica silent this long is stuck.
             async with asyncio.timeout(self.cfg.upstream.first_byte_timeout_s if stream else None):
-                resp = await rep.session.post(ROUTE_PATHS[route], data=body, headers=headers)
+                resp = await rep.session.request(request.method, path, data=data, headers=headers)
         except _CONNECT_ERRORS as e:
+            if isinstance(body, MultipartBody) and body.error:  # the client's upload stalled, not the engine
+                return None, body.error.code
             kind = ("connect" if isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError))
                     else "timeout" if isinstance(e, TimeoutError) else "disconnect")
             self.metrics.upstream_errors.labels(rep.id, kind).inc()
@@ -330,7 +368,7 @@ class Proxy:
             self.registry.outcome(rep, False, f"http_{resp.status}")
         if resp.status in RETRYABLE_STATUSES:
             self.metrics.upstream_errors.labels(rep.id, f"http_{resp.status}").inc()
-            if not last_try:
+            if not last_try and getattr(body, "replayable", True):
                 resp.release()
                 return None, f"http_{resp.status}"
         return resp, ""
@@ -344,7 +382,7 @@ class Proxy:
                 out.status, out.reason = resp.status, "upstream_error"
                 finished = True
                 return web.Response(status=resp.status, body=err, content_type="application/json",
-                                    headers=self._client_headers(rid, rep))
+                                    headers=reply_headers(resp, rid, rep.id))
             if resp.content_type == "text/event-stream":
                 result = await self._stream(request, rep, resp, rid, t0, out)
             else:
@@ -352,7 +390,7 @@ class Proxy:
                 out.usage = _usage_dict(data[-TAIL_BYTES:])
                 out.status, out.reason = resp.status, "ok"
                 self.registry.outcome(rep, True)
-                result = web.Response(status=resp.status, body=data, headers=self._client_headers(rid, rep),
+                result = web.Response(status=resp.status, body=data, headers=reply_headers(resp, rid, rep.id),
                                       content_type=resp.content_type or "application/json")
             finished = True
             return result
@@ -372,8 +410,8 @@ class Proxy:
     async def _stream(self, request: web.Request, rep: Replica, resp: aiohttp.ClientResponse,
                       rid: str, t0: float, out: Outcome) -> web.StreamResponse:
         first = await self._first_line(rep, resp)  # nothing has reached the client yet: may retry
-        headers = {**self._client_headers(rid, rep), "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                   "Cache-Control": "no-cache"}
+        headers = {**reply_headers(resp, rid, rep.id),
+                   "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"}
         # a coalesced flight records the stream for its listeners instead of writing to one client
         client = (request.response(resp.status, headers) if isinstance(request, Flight)
                   else web.StreamResponse(status=resp.status, headers=headers))
@@ -449,21 +487,6 @@ class Proxy:
 
         asyncio.get_running_loop().create_task(abort())
 
-    def _upstream_headers(self, request: web.Request, rid: str) -> dict:
-        """Only what an engine needs; identity and internal headers stay here."""
-        h = {"Content-Type": "application/json", H_REQUEST_ID: rid}
-        accept = request.headers.get("Accept")
-        if accept:
-            h["Accept"] = accept
-        auth = request.headers.get("Authorization")
-        if auth:
-            h["Authorization"] = auth
-        return h
-
-    @staticmethod
-    def _client_headers(rid: str, rep: Replica) -> dict:
-        return {"X-Request-Id": rid, "X-LB-Replica": rep.id}
-
     def _account(self, out: Outcome) -> None:
         m = self.metrics
         if self.peering is not None:
@@ -483,13 +506,16 @@ class Proxy:
             self.access_log.write(out)
 
 
+_RID_ROUTES = ("chat", "completions", "generate")  # SGLang's requests that take a `rid`
+
+
 def _with_sglang_rid(engine: str, route: str, doc: dict, body: bytes) -> tuple[dict, bytes]:
     """Give a request to an SGLang replica a `rid` of ours when it has none, so that a client
     leaving can be aborted by `/abort_request` as well as by the closed connection (SGLang
     notices a closed non-streamed request only at its next disconnect check). Batches and
     `n > 1` keep their own request ids (SGLang derives one per sequence from them).
     Returns the document as sent (for the abort) and its bytes, spliced, not re-encoded."""
-    if engine != "sglang" or "rid" in doc or not isinstance(doc.get("n", 1), int) or doc.get("n", 1) > 1:
+    if engine != "sglang" or route not in _RID_ROUTES or "rid" in doc or not isinstance(doc.get("n", 1), int) or doc.get("n", 1) > 1:
         return doc, body
     batch = doc.get("text") if route == "generate" else doc.get("prompt")
     ids = doc.get("input_ids")

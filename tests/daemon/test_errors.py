@@ -83,12 +83,14 @@ def test_upstream_errors_are_normalized_to_openai_shape():
 
 
 def test_internal_and_identity_headers_do_not_go_upstream():
-    from lb.daemon.proxy import Proxy
+    from lb.core.routes import BY_NAME
+    from lb.daemon.config import Config
+    from lb.daemon.surface import upstream_headers
 
     class Req:
         headers = {"Authorization": "Bearer k", "X-LB-Hop": "1", "X-LB-Peer-Region": "eu", "X-LB-User": "u",
                    "Accept": "text/event-stream", "Cookie": "c"}
 
-    sent = Proxy._upstream_headers(None, Req(), "rid-1")
+    sent = upstream_headers(Req(), "rid-1", Config(), BY_NAME["chat"])
     assert sent == {"Content-Type": "application/json", "x-request-id": "rid-1", "Accept": "text/event-stream",
                     "Authorization": "Bearer k"}

@@ -1,0 +1,49 @@
+"""The route table's pure parts: one declaration per path, the multipart `model` field found
+only from whole parts, FANOUT answers combined, and a request without a model served by any replica."""
+from __future__ import annotations
+
+from lb.core.routes import BY_NAME, DIRECT, FANOUT, ROUTES, combine, least_busy, multipart_field
+from lb.core.types import ReplicaView
+
+
+def test_every_path_is_declared_once():
+    paths = [(m, p) for r in ROUTES for p in r.paths for m in r.methods]
+    assert len(paths) == len(set(paths))
+    assert BY_NAME["tokenize"].dispatch == DIRECT and BY_NAME["flush_cache"].dispatch == FANOUT
+    assert not BY_NAME["generate"].accepts(ReplicaView(id="v", url="", engine="vllm"))
+    assert BY_NAME["embeddings"].accepts(ReplicaView(id="p", url="", engine="peer"))
+
+
+def test_a_request_without_a_model_is_served_by_any_replica():
+    v = ReplicaView(id="a", url="", models=frozenset({"m"}))
+    assert v.serves("") and v.serves("m") and not v.serves("x")
+
+
+def form(*parts: tuple[str, bytes]) -> bytes:
+    return b"".join(b'--B\r\nContent-Disposition: form-data; name="' + n.encode() + b'"\r\n\r\n' + v + b"\r\n"
+                    for n, v in parts) + b"--B--\r\n"
+
+
+def test_multipart_model_field():
+    body = form(("model", b"whisper-1"), ("file", b"\0" * 100))
+    assert multipart_field(body, b"B", b"model") == (True, "whisper-1")
+    cut = body.index(b"whisper") + 3  # the value is not whole until the next delimiter
+    assert multipart_field(body[:cut], b"B", b"model") == (False, None)
+    assert multipart_field(form(("file", b"x")), b"B", b"model") == (True, None)  # ended without it
+    late = form(("file", b"\r\n--not-it\r\n"), ("model", b"m2"))
+    assert multipart_field(late, b"B", b"model") == (True, "m2")
+    assert multipart_field(late[:20], b"B", b"model") == (False, None)
+
+
+def test_least_busy_breaks_ties_by_id():
+    views = [ReplicaView(id="b", url="", outstanding=1), ReplicaView(id="c", url=""), ReplicaView(id="a", url="")]
+    assert least_busy(views).id == "a" and least_busy([]) is None
+
+
+def test_combine_keeps_the_engine_shape_and_flush_needs_every_replica():
+    status, doc = combine("model_info", [("r1", 200, {"model_path": "p"}), ("r2", 0, "ConnectionError")])
+    assert status == 200 and doc["model_path"] == "p" and [r["id"] for r in doc["lb_replicas"]] == ["r1", "r2"]
+    assert combine("server_info", [("r1", 0, "down")])[0] == 502
+    assert combine("flush_cache", [("r1", 200, "ok"), ("r2", 200, "ok")])[1]["flushed"] == 2
+    status, doc = combine("flush_cache", [("r1", 200, "ok"), ("r2", 400, "Cache not flushed")])
+    assert status == 400 and doc["error"]["code"] == "flush_failed" and "r2 (400)" in doc["error"]["message"]
