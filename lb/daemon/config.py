@@ -82,7 +82,8 @@ NEVER_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    # names, or prefixes ending in `*` (e.g. "x-trace-*"), matched case-insensitively
+    # request headers passed upstream besides Content-Type, Accept, Authorization and X-Request-Id:
+    # names, or prefixes ending in `*` ("x-trace-*"), any case; x-lb-* and hop-by-hop never pass (docs/api.md)
     forward_headers: tuple[str, ...] = DEFAULT_FORWARD_HEADERS
 
 
