@@ -69,21 +69,30 @@ class RoundRobin:
 class PowerOfTwo:
     """sglang-router 0.3.2 / vllm-router 0.1.17 `power_of_two` (`policies/power_of_two.rs`):
     two distinct healthy workers drawn uniformly at random, the one with the lower load wins
-    (the first on a tie). Load: the router's own in-flight count per worker. (sglang-router
-    can also feed it loads polled from `/get_load` by its LoadMonitor; which source wins on
-    the emulator is not documented, and the live routers' routing matches in-flight counts
-    as bench/systems.py notes, so the model counts in-flight requests.)"""
+    (the first of the pair on a tie).
+
+    Load, as each installed version behaves in front of the emulators (measured in
+    tests/bench/test_peer_policies_live.py, one worker holding a long request):
+    - vllm-router: its own in-flight count per worker (`load_source="inflight"`): it never
+      picked the busy worker;
+    - sglang-router: the loads its LoadMonitor caches from polling the workers, which win
+      over its own counts and never separated the two workers in 20 s (the emulators answer
+      `/get_load` in SGLang's list shape), so every pair is a tie and the pick is uniformly
+      random (`load_source="polled-flat"`)."""
 
     name = "power_of_two"
 
-    def __init__(self, *, seed: int = 0, **_: object):
+    def __init__(self, *, seed: int = 0, load_source: str = "inflight", **_: object):
         self.rng = random.Random(seed)
+        self.flat = load_source == "polled-flat"
 
     def choose(self, req, workers, inflight, now):
         if len(workers) == 1:
             return workers[0]
         a, b = self.rng.sample(range(len(workers)), 2)
         wa, wb = workers[a], workers[b]
+        if self.flat:
+            return wa
         return wa if inflight.get(wa, 0) <= inflight.get(wb, 0) else wb
 
     def forget(self, worker):
@@ -198,14 +207,22 @@ class CacheAware:
     """sglang-router 0.3.2 `cache_aware` (`policies/cache_aware.rs`, `policies/tree.rs`); the
     vllm-router 0.1.17 one is the same algorithm (a fork) with its own eviction default.
 
-    Imbalanced when max load − min load > balance_abs_threshold (64) and max load >
-    balance_rel_threshold (1.5) × min load, loads being the router's in-flight counts over
+    Imbalanced when max load - min load > balance_abs_threshold (64) and max load >
+    balance_rel_threshold (1.5) x min load, loads being the router's in-flight counts over
     all workers: then the least loaded worker (first on ties), and the prompt is still
     inserted under it. Otherwise the longest prefix match in the tree: if matched / prompt
     length > cache_threshold (0.3), the deepest matched node's first tenant (hash order,
     not load), else the tenant with the smallest tree; the prompt is inserted under the
     choice. Eviction: every eviction_interval_secs (sglang-router 60, vllm-router 120)
-    each worker's tree is cut back to max_tree_size characters (2^25), LRU leaves first."""
+    each worker's tree is cut back to max_tree_size characters (2^25), LRU leaves first.
+
+    As both installed versions behave in front of the emulators (measured in
+    tests/bench/test_peer_policies_live.py): workers registered at start-up are not put in
+    the tree (they join through a background job, not `init_workers`), so a worker is a
+    tenant only once a request was inserted under it. With no tenant at all the smallest
+    tenant is none, and the router falls back to its first healthy worker without inserting;
+    so while load is balanced every request that matches nothing goes to that one worker,
+    and the others join the tree only through the imbalance branch."""
 
     name = "cache_aware"
 
@@ -228,24 +245,25 @@ class CacheAware:
         if now >= self.next_eviction:
             tree.evict(self.max_tree_tokens)
             self.next_eviction = now + self.eviction_interval_s
-        for w in workers:
-            tree.add_tenant(w)  # init_workers: every worker starts with an empty tree
         chain = tree.chain(req.tokens)
         loads = [inflight.get(w, 0) for w in workers]
         hi, lo = max(loads), min(loads)
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             target = workers[loads.index(lo)]
+            tree.insert(chain, target, now)
+            return target
+        depth, node = tree.match(chain)
+        rate = depth * tree.block / len(req.tokens) if req.tokens else 0.0
+        if rate > self.cache_threshold and node is not None and node.access:
+            target = self._first_tenant(node.access)
+            tree.touch(node, target, now)
+        elif tree.size:
+            target = min(tree.size, key=lambda w: (tree.size[w], mmh3.hash(w, signed=False)))
         else:
-            depth, node = tree.match(chain)
-            rate = depth * tree.block / len(req.tokens) if req.tokens else 0.0
-            if rate > self.cache_threshold and node is not None and node.access:
-                target = self._first_tenant(node.access)
-                tree.touch(node, target, now)
-            else:
-                target = min((w for w in workers), key=lambda w: (tree.size.get(w, 0), workers.index(w)))
-            if target not in workers:
-                tree.remove_tenant(target)
-                target = workers[0]
+            return workers[0]  # no tenant yet: the first healthy worker, nothing inserted
+        if target not in workers:
+            tree.remove_tenant(target)
+            return workers[0]
         tree.insert(chain, target, now)
         return target
 
@@ -346,7 +364,7 @@ class PeerSpec:
 
 PEERS: dict[str, PeerSpec] = {s.name: s for s in (
     PeerSpec("sglang-router cache_aware", CacheAware, {"eviction_interval_s": 60.0}),
-    PeerSpec("sglang-router power_of_two", PowerOfTwo),
+    PeerSpec("sglang-router power_of_two", PowerOfTwo, {"load_source": "polled-flat"}),
     PeerSpec("sglang-router round_robin", RoundRobin),
     PeerSpec("vllm-router cache_aware", CacheAware, {"eviction_interval_s": 120.0}),
     PeerSpec("vllm-router power_of_two", PowerOfTwo),

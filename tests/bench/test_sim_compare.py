@@ -13,33 +13,39 @@ def req(i: int, tokens, session=None) -> PeerRequest:
     return PeerRequest(f"r{i}", list(tokens), session=session)
 
 
-def test_cache_aware_follows_the_prefix_until_the_imbalance_thresholds():
+def idle_but(worker: str) -> dict[str, int]:
+    """Loads that trip cache_aware's imbalance branch towards `worker` (65 open on the others)."""
+    return {w: 0 if w == worker else 65 for w in WORKERS}
+
+
+def test_cache_aware_tree_fills_only_through_the_imbalance_branch():
     policy = CacheAware()
-    shared = range(1000)
-    first = policy.choose(req(0, shared), WORKERS, {w: 0 for w in WORKERS}, 0.0)
-    # a prompt that matches > 30 % goes where the prefix went, even when that worker is busier...
-    loads = {w: 0 for w in WORKERS} | {first: 64}
-    assert policy.choose(req(1, list(shared) + [7, 7, 7]), WORKERS, loads, 1.0) == first
-    # ...until max - min > 64 and max > 1.5 x min: then the least loaded (first on ties)
-    loads[first] = 65
-    least = next(w for w in WORKERS if loads[w] == 0)
-    assert policy.choose(req(2, list(shared) + [8, 8]), WORKERS, loads, 2.0) == least
-    # an unrelated prompt (match <= 30 %) goes to the smallest tree: not the ones holding prompts
-    fresh = policy.choose(req(3, range(5000, 6000)), WORKERS, {w: 0 for w in WORKERS}, 3.0)
-    assert fresh not in (first, least)
+    zero = {w: 0 for w in WORKERS}
+    shared = list(range(1000))
+    # balanced, no tenant yet: the first healthy worker, and nothing is inserted
+    assert [policy.choose(req(i, range(i * 5000, i * 5000 + 800)), WORKERS, zero, 0.0) for i in range(3)] == ["w0"] * 3
+    assert policy.tree.size == {}
+    # max - min > 64 and max > 1.5 x min: the least loaded, and the prompt goes into its tree
+    assert policy.choose(req(3, shared), WORKERS, idle_but("w2"), 1.0) == "w2"
+    # balanced again: > 30 % match follows the prefix to w2 even when w2 is the busiest
+    assert policy.choose(req(4, shared + [7] * 50), WORKERS, {**zero, "w2": 64}, 2.0) == "w2"
+    # a prompt that matches nothing goes to the smallest tree among tenants: w2 is the only one
+    assert policy.choose(req(5, range(90_000, 91_000)), WORKERS, zero, 3.0) == "w2"
+    # not past the absolute threshold (64): still balanced
+    assert policy.choose(req(6, range(80_000, 81_000)), WORKERS, {**zero, "w2": 64}, 4.0) == "w2"
 
 
 def test_cache_aware_eviction_cuts_each_tree_to_its_budget_oldest_first():
     policy = CacheAware(max_tree_chars=4 * 300, eviction_interval_s=10.0)
-    zero = {w: 0 for w in WORKERS}
-    prompts = [list(range(i * 1000, i * 1000 + 200)) for i in range(6)]
-    picks = [policy.choose(req(i, p), WORKERS, zero, float(i)) for i, p in enumerate(prompts)]
-    assert picks[4] == picks[0] and policy.tree.size[picks[0]] == 400  # smallest tree: w0 again
-    policy.choose(req(9, range(50_000, 50_200)), WORKERS, zero, 11.0)  # the eviction tick passed
-    assert policy.tree.size[picks[0]] <= 300
+    prompts = [list(range(i * 1000, i * 1000 + 200)) for i in range(3)]
+    for i, p in enumerate(prompts):
+        assert policy.choose(req(i, p), WORKERS, idle_but("w1" if i < 2 else "w3"), float(i)) == ("w1" if i < 2 else "w3")
+    assert policy.tree.size["w1"] == 400 and policy.tree.size["w3"] == 200
+    policy.choose(req(9, range(50_000, 50_200)), WORKERS, idle_but("w0"), 11.0)  # the eviction tick passed
+    assert policy.tree.size["w1"] <= 300 and policy.tree.size["w3"] == 200
     tree = policy.tree
     old_depth, _ = tree.match(tree.chain(prompts[0]))
-    new_depth, _ = tree.match(tree.chain(prompts[4]))
+    new_depth, _ = tree.match(tree.chain(prompts[1]))
     assert old_depth < 50 == new_depth  # the least recently used prompt lost its leaves, not the newer one
 
 
