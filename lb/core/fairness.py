@@ -60,6 +60,10 @@ class FairnessConfig:
     overload_no_replica_s: float = 2.0
     interaction_ttl_s: float = 1800.0
     wsc: WscConfig = field(default_factory=WscConfig)
+    # /metrics: this many tenants (by service over the last half-lives) get their own label;
+    # the rest share `other`, so clients cannot grow the label set (lb.core.tenant_stats).
+    tenant_labels: int = 20
+    tenant_half_life_s: float = 300.0
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "fairness") -> "FairnessConfig":
@@ -97,6 +101,8 @@ class FairnessConfig:
             overload_no_replica_s=_nonneg(d.pop("overload_no_replica_s", 2.0), f"{path}.overload_no_replica_s"),
             interaction_ttl_s=_pos(d.pop("interaction_ttl_s", 1800.0), f"{path}.interaction_ttl_s"),
             wsc=wsc,
+            tenant_labels=int(_nonneg(d.pop("tenant_labels", 20), f"{path}.tenant_labels")),
+            tenant_half_life_s=_pos(d.pop("tenant_half_life_s", 300.0), f"{path}.tenant_half_life_s"),
         )
         if d:
             raise ValueError(f"{path}: unknown keys {sorted(d)}")

@@ -24,6 +24,7 @@ from lb.daemon.admission_gate import add_response_headers
 from lb.daemon.config import Config, ConfigError, ReplicaConfig
 from lb.daemon.dispatch import Dispatcher
 from lb.daemon.errors import LBError, error_body
+from lb.daemon.fairness import TenantCollector
 from lb.daemon.jobs import add_routes as add_job_routes
 from lb.daemon.metrics import Metrics
 from lb.daemon.peers import STATUS_PATH as PEER_STATUS_PATH, Peers
@@ -49,6 +50,8 @@ class LB:
         self.dispatcher.metrics = self.metrics
         self.registry.on_add(lambda rep: self.metrics.remember(rep.id))
         self.registry.on_gone(lambda rep: self.metrics.forget(rep.id))  # its series leave /metrics
+        self.metrics.registry.register(TenantCollector(self.dispatcher.fairness))  # bounded tenant labels
+        self.dispatcher.on_dispatch.append(self.dispatcher.fairness.queue_waited)
         self.prober = Prober(self.registry, cfg.probes, self.metrics)
         self.proxy = Proxy(cfg, self.registry, self.dispatcher, self.metrics)
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6

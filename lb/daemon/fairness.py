@@ -7,13 +7,17 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
 from lb.core.admission import ServiceRate
 from lb.core.fairness import (InteractionLedger, OverloadDetector, WeightedService, WscConfig, rate_limits,
                               throttle_decision)
 from lb.core.identity import IdentityError, parse_identity
 from lb.core.orders import make_order
+from lb.core.tenant_stats import TenantStats
 from lb.core.types import RequestFacts
 from lb.daemon.errors import LBError
+from lb.daemon.metrics import LATENCY_BUCKETS
 from lb.daemon.state import make_store
 
 
@@ -27,6 +31,7 @@ class Fairness:
         self.overload = OverloadDetector.from_config(cfg.fairness)
         self.throttled = 0
         self.rate = ServiceRate(cfg.admission.service_tps)  # learned tokens/s the region completes
+        self.tenants = TenantStats(cfg.fairness.tenant_labels, cfg.fairness.tenant_half_life_s, LATENCY_BUCKETS)
 
     def make_queue(self):
         return make_order(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
@@ -52,6 +57,7 @@ class Fairness:
         if decision is not None:
             self.ledger.throttled(facts, now)
             self.throttled += 1
+            self.tenants.throttled(facts.user)
             raise LBError(429, decision.message, code="rate_limit_exceeded", retry_after=decision.retry_after_s,
                           headers={k: v for k, v in decision.headers().items() if k != "Retry-After"})
 
@@ -64,7 +70,12 @@ class Fairness:
         if usage:
             self.rate.completed(prompt + output)
         self.service.complete(facts, input_tokens=prompt, output_tokens=output)
+        self.tenants.served(facts.user, prompt + output if usage else 0, now)
         self.ledger.completed(facts, now, prompt + output)
+
+    def queue_waited(self, facts: RequestFacts, replica, waited: float, now: float) -> None:
+        """The dispatcher's `on_dispatch` hook: the tenant's queue wait, for /metrics."""
+        self.tenants.waited(facts.user, waited)
 
     async def sync_counters(self) -> None:
         """Push this LB's service-counter changes to the shared store and adopt the totals, so
@@ -83,3 +94,27 @@ class Fairness:
 
     async def close(self) -> None:
         await self.store.close()
+
+
+class TenantCollector:
+    """Per-tenant series at scrape time from `Fairness.tenants` (top-K labels + `other`)."""
+
+    def __init__(self, fairness: Fairness):
+        self.fairness = fairness
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        service = CounterMetricFamily("lb_tenant_service_tokens", "Prompt and output tokens served per tenant "
+                                      "(top tenants by recent service; the rest as `other`)", labels=["tenant"])
+        throttled = CounterMetricFamily("lb_tenant_throttled_requests", "Requests throttled (429) by OIT/RPM "
+                                        "per tenant", labels=["tenant"])
+        wait = HistogramMetricFamily("lb_tenant_queue_wait_seconds", "Time from arrival to dispatch per tenant",
+                                     labels=["tenant"])
+        bounds = [*map(str, self.fairness.tenants.wait_bounds), "+Inf"]
+        for tenant, t in self.fairness.tenants.snapshot(time.monotonic()).items():
+            service.add_metric([tenant], t.service_tokens)
+            throttled.add_metric([tenant], t.throttled)
+            wait.add_metric([tenant], list(zip(bounds, t.cumulative())), t.wait_sum)
+        return [service, throttled, wait]
