@@ -60,9 +60,9 @@ class FairnessConfig:
     overload_no_replica_s: float = 2.0
     interaction_ttl_s: float = 1800.0
     wsc: WscConfig = field(default_factory=WscConfig)
-    # /metrics: this many tenants (by service over the last half-lives) get their own label;
-    # the rest share `other`, so clients cannot grow the label set (lb.core.tenant_stats).
+    # /metrics: this many tenants (by recent service) get their own label; the rest share `other`
     tenant_labels: int = 20
+    # /metrics: "recent" service for that ranking decays by half over this many seconds
     tenant_half_life_s: float = 300.0
 
     @classmethod
