@@ -38,6 +38,7 @@ from bench.profiles import PROFILES, Profile, get_profile
 from bench.tokenizer import decode
 
 VERSION = "0.4.0-emulated"
+STORED_RESPONSES = 1000  # finished /v1/responses kept for GET /v1/responses/{id}
 EOS_TOKEN_ID = 128009  # Llama 3 <|eot_id|>, reported by /generate on a "stop" finish
 
 
@@ -168,6 +169,7 @@ class Emulator:
         self.registry.register(_MetricsCollector(self))
         self.api = ApiFaces(self)
         self.echo_headers = False
+        self.stored: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -231,6 +233,20 @@ class Emulator:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_responses, _ResponsesShape(self))
+
+    def store_response(self, doc: dict) -> dict:
+        self.stored[doc["id"]] = doc
+        while len(self.stored) > STORED_RESPONSES:
+            self.stored.popitem(last=False)
+        return doc
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        doc = self.stored.get(request.match_info["id"])
+        if doc is None:
+            raise ApiError(404, f"Response {request.match_info['id']!r} not found.", "response_id")
+        if request.method == "POST":  # cancel: only background responses can be
+            raise ApiError(400, "Cannot cancel a synchronous response.", "response_id")
+        return _json(doc)
 
     async def prefill(self, batch: list[list[int]]) -> None:
         """Run each prompt through the engine (prefill and one step): what an embedding,
@@ -357,6 +373,8 @@ class Emulator:
         r.add_post("/generate", self.generate)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/responses", self.responses)
+        r.add_get("/v1/responses/{id}", self.stored_response)
+        r.add_post("/v1/responses/{id}/cancel", self.stored_response)
         api = self.api
         r.add_get("/v1/models/{model:.+}", api.model)
         r.add_post("/v1/embeddings", api.embeddings)
@@ -540,7 +558,12 @@ class _GenerateShape(_Shape):
 
 
 class _ResponsesShape(_Shape):
-    """OpenAI Responses: one `response` object; streamed as typed events."""
+    """OpenAI Responses: one `response` object; streamed as typed events. Finished ones are
+    kept (the last STORED_RESPONSES) for GET /v1/responses/{id}."""
+
+    def __init__(self, emu: "Emulator"):
+        super().__init__(emu)
+        self.emu = emu
 
     def _response(self, g: GenRequest, stream: Stream, status: str) -> dict:
         text = decode(stream.tokens)
@@ -567,10 +590,11 @@ class _ResponsesShape(_Shape):
         return delta
 
     def end(self, g, stream):
-        return [self._event("response.completed", {"response": self._response(g, stream, "completed")})]
+        done = self.emu.store_response(self._response(g, stream, "completed"))
+        return [self._event("response.completed", {"response": done})]
 
     def whole(self, g, stream):
-        return orjson.dumps(self._response(g, stream, "completed"))
+        return orjson.dumps(self.emu.store_response(self._response(g, stream, "completed")))
 
 
 class _MetricsCollector:

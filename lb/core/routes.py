@@ -76,6 +76,9 @@ ROUTES: tuple[Route, ...] = (
           engines=SGLANG, dispatch=FANOUT),
     Route("flush_cache", ("/flush_cache",), methods=("GET", "POST"), body=NONE, model=NONE, engines=SGLANG,
           dispatch=FANOUT),
+    # a stored response lives on the replica that made it: ask them all, answer the one that has it
+    Route("response", ("/v1/responses/{id}",), methods=("GET",), body=NONE, model=NONE, dispatch=FANOUT),
+    Route("response_cancel", ("/v1/responses/{id}/cancel",), body=NONE, model=NONE, dispatch=FANOUT),
 )
 BY_NAME: dict[str, Route] = {r.name: r for r in ROUTES}
 
@@ -107,7 +110,8 @@ def multipart_field(buf: bytes, boundary: bytes, name: bytes) -> tuple[bool, str
 
 def combine(route: str, answers: Sequence[tuple[str, int, object]]) -> tuple[int, dict]:
     """One answer from every replica's (id, HTTP status or 0 when unreachable, parsed body or
-    text) for a FANOUT route. `model_info`/`server_info` keep the first good answer's shape,
+    text) for a FANOUT route. A stored response's (`response`, `response_cancel`) is the answer
+    of the replica that has it. `model_info`/`server_info` keep the first good answer's shape,
     so a client reading e.g. `model_path` works as against one engine; every replica's answer
     is under `lb_replicas`. `flush_cache` succeeds only when every replica flushed."""
     per = [{"id": rid, "status": status, "body": body} for rid, status, body in answers]
@@ -122,6 +126,12 @@ def combine(route: str, answers: Sequence[tuple[str, int, object]]) -> tuple[int
                                             + ", ".join(f"{a['id']} ({a['status'] or 'unreachable'})" for a in failed),
                                  "type": "invalid_request_error" if worst < 500 else "server_error",
                                  "param": None, "code": "flush_failed"}, **doc}
+    if route in ("response", "response_cancel"):  # the owner's answer as it is, success or its error
+        owner = ok or [a for a in failed if a["status"] not in (0, 404)]
+        if owner:
+            return owner[0]["status"], owner[0]["body"]
+        return 404, {"error": {"message": "no replica has this response", "type": "invalid_request_error",
+                               "param": "response_id", "code": "response_not_found"}}
     if not ok:
         return 502, {"error": {"message": "no replica answered " + route, "type": "server_error", "param": None,
                                "code": "upstream_unavailable"}, "lb_replicas": per}

@@ -31,7 +31,7 @@ from lb.daemon.peers import STATUS_PATH as PEER_STATUS_PATH, Peers
 from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
-from lb.daemon.surface import add_routes as add_api_routes, fanout
+from lb.daemon.surface import add_routes as add_api_routes
 
 log = logging.getLogger("lb")
 
@@ -219,7 +219,7 @@ def build_app(cfg: Config) -> web.Application:
     app.add_routes(routes)
     # the inference surface (lb.core.routes: one declaration per route), then OpenAI-shaped 404/405
     add_api_routes(app, lambda request, route: lb_of(request).proxy.handle(request, route),
-                   lambda request, route: fanout(request, route, lb_of(request).registry, lb_of(request).cfg))
+                   lambda request, route: lb_of(request).proxy.fanout(request, route))
 
     async def lifecycle(app: web.Application):
         lb = LB(cfg)

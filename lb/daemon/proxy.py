@@ -33,7 +33,7 @@ from lb.daemon.errors import LBError, normalize_upstream_error, sse_error_event
 from lb.daemon.coalescing import Coalescing, Flight
 from lb.daemon.jobs import Jobs
 from lb.daemon.registry import Registry, Replica
-from lb.daemon.surface import MultipartBody, read_multipart, reply_headers, upstream_headers
+from lb.daemon.surface import MultipartBody, fanout, read_multipart, reply_headers, upstream_headers
 
 log = logging.getLogger("lb.proxy")
 
@@ -486,6 +486,17 @@ class Proxy:
                 log.debug("abort_request %s on %s: %s", rid, rep.id, e)
 
         asyncio.get_running_loop().create_task(abort())
+
+    async def fanout(self, request: web.Request, route: Route) -> web.Response:
+        """A FANOUT route (lb.daemon.surface.fanout), in the metrics and the access log as one
+        request whose target is `all`."""
+        t0 = time.monotonic()
+        rid = request.headers.get(H_REQUEST_ID) or uuid.uuid4().hex
+        resp = await fanout(request, route, self.registry, self.cfg, rid)
+        resp.headers["X-Request-Id"] = rid
+        self._account(Outcome(request_id=rid, route=route.name, status=resp.status, target="all",
+                              reason="ok" if resp.status < 400 else "fanout_failed", e2e_s=time.monotonic() - t0))
+        return resp
 
     def _account(self, out: Outcome) -> None:
         m = self.metrics

@@ -138,18 +138,24 @@ async def read_multipart(request: web.Request, cfg: Config) -> tuple[MultipartBo
 
 
 # -- FANOUT routes -------------------------------------------------------------------------------
-async def fanout(request: web.Request, route: Route, registry, cfg: Config) -> web.Response:
+async def fanout(request: web.Request, route: Route, registry, cfg: Config, rid: str) -> web.Response:
     """Send the call to every healthy replica the route accepts; one combined answer."""
     reps = [r for r in registry.active() if r.view.healthy and route.accepts(r.view)]
     if not reps:
         return web.Response(status=503, content_type="application/json", headers={"Retry-After": "1"},
                             body=error_body(f"no healthy replica serves {request.path}", 503, code="no_replica"))
-    body = await request.read() if request.can_read_body else None
+    try:
+        body = await request.read() if request.can_read_body else None
+    except web.HTTPRequestEntityTooLarge:
+        return web.Response(status=413, content_type="application/json",
+                            body=error_body(f"request body exceeds {cfg.server.max_body_bytes} bytes", 413,
+                                            code="body_too_large"))
+    sent = upstream_headers(request, rid, cfg, route)
+    if body:
+        sent["Content-Type"] = request.headers.get("Content-Type", "application/json")
 
     async def one(rep) -> tuple[str, int, object]:
-        headers = {"Authorization": f"Bearer {rep.cfg.api_key}"} if rep.cfg.api_key else {}
-        if body:
-            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+        headers = {**sent, "Authorization": f"Bearer {rep.cfg.api_key}"} if rep.cfg.api_key else sent
         try:
             async with asyncio.timeout(cfg.upstream.first_byte_timeout_s):
                 async with rep.session.request(request.method, request.path_qs, data=body, headers=headers) as r:

@@ -47,3 +47,10 @@ def test_combine_keeps_the_engine_shape_and_flush_needs_every_replica():
     assert combine("flush_cache", [("r1", 200, "ok"), ("r2", 200, "ok")])[1]["flushed"] == 2
     status, doc = combine("flush_cache", [("r1", 200, "ok"), ("r2", 400, "Cache not flushed")])
     assert status == 400 and doc["error"]["code"] == "flush_failed" and "r2 (400)" in doc["error"]["message"]
+
+
+def test_a_stored_response_is_its_owners_answer():
+    assert combine("response", [("r1", 404, {}), ("r2", 200, {"id": "resp_1"})]) == (200, {"id": "resp_1"})
+    assert combine("response_cancel", [("r1", 404, {}), ("r2", 400, {"error": "no"})]) == (400, {"error": "no"})
+    status, doc = combine("response", [("r1", 404, {}), ("r2", 0, "down")])
+    assert status == 404 and doc["error"]["code"] == "response_not_found"

@@ -98,6 +98,13 @@ def test_responses_plain_and_streamed(fleet):
     assert r.status == "completed" and r.output_text and r.usage.output_tokens <= 6
     events = list(sdk(d).responses.create(model="m", input="Say something", max_output_tokens=4, stream=True))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    # a stored response lives on one replica: lb asks every one and answers the owner's
+    for rid in (r.id, events[-1].response.id):
+        assert sdk(d).responses.retrieve(rid).output_text
+    status, doc = http_json("GET", d.url + "/v1/responses/resp_nope")
+    assert status == 404 and doc["error"]["code"] == "response_not_found"
+    status, doc = post(d, f"/v1/responses/{r.id}/cancel", {})
+    assert status == 400 and "Cannot cancel" in doc["error"]["message"]  # the owner's error, not lb's 404
 
 
 def test_model_card_by_path(fleet):
@@ -189,6 +196,7 @@ def test_flush_cache_reaches_every_replica(fleet):
     for method in ("POST", "GET"):
         status, doc = http_json(method, d.url + "/flush_cache")
         assert status == 200 and doc["flushed"] == 2 and doc["failed"] == 0, doc
+    assert metric(d.url, "lb_requests_total", route="flush_cache", target="all", status="200") == 2
 
 
 # -- routed, whatever the engine answers -------------------------------------------------------
