@@ -12,6 +12,15 @@ Request modes (what a generation request gets):
   error500   HTTP 500 with an error body
   malformed  HTTP 200 `text/event-stream` whose body is not server-sent events
   die        `die_after` chunks of a stream, then the process exits at once (mid-stream)
+Broken HTTP and oversized answers (issue 13; `size_bytes` sets how big):
+  bad_chunk     HTTP/1.1 200, chunked, whose first chunk size is not hex
+  cr_header     HTTP/1.1 200 with a bare CR inside a header value
+  endless_line  HTTP 200 `text/event-stream`: `data: ` then `size_bytes` without a newline
+  huge_body     HTTP 200 JSON of `size_bytes`
+  huge_error    HTTP 500 whose body is `size_bytes` (an error message, then padding)
+  gzip          HTTP 200 with `Content-Encoding: gzip` (the client never asked for it)
+  bad_status    HTTP/1.1 999
+  mid_break     a valid stream's first `die_after` chunks, then a bad chunk size (after the first byte)
 Probe modes (what `/get_load` and `/health` do):
   honest     hanging requests are reported waiting, streaming ones running
   lie        always reports an idle replica (pending 0), whatever it holds
@@ -22,13 +31,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import os
 import time
 
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "hang", "error500", "malformed", "die")
+MODES = ("ok", "hang", "error500", "malformed", "die", "bad_chunk", "cr_header", "endless_line", "huge_body",
+         "huge_error", "gzip", "bad_status", "mid_break")
+HOSTILE = MODES[5:]  # the broken shapes (the chaos scenario rotates through them)
+MIB = 1 << 20
 PROBES = ("honest", "lie", "slow", "hang")
 
 
@@ -36,7 +49,8 @@ class Faulty:
     def __init__(self, args: argparse.Namespace):
         self.model = args.model
         self.behaviour = {"mode": args.mode, "probe": args.probe, "probe_delay_s": args.probe_delay_s,
-                          "tokens": args.tokens, "token_delay_s": args.token_delay_s, "die_after": args.die_after}
+                          "tokens": args.tokens, "token_delay_s": args.token_delay_s, "die_after": args.die_after,
+                          "size_bytes": args.size_bytes}
         self.received = 0
         self.hanging = 0
         self.streaming = 0
@@ -94,6 +108,8 @@ class Faulty:
             return web.Response(status=200, body=b"<html>this is not server-sent events</html>\n\n",
                                 content_type="text/event-stream")
         chat = request.path.endswith("chat/completions")
+        if mode in HOSTILE and mode != "mid_break":
+            return await self._hostile(request, mode, chat)
         if not body.get("stream"):
             text = "tok " * self.behaviour["tokens"]
             choice = {"index": 0, "finish_reason": "length",
@@ -111,6 +127,10 @@ class Faulty:
             for i in range(n):
                 if self.behaviour["mode"] == "die" and i >= self.behaviour["die_after"]:
                     os._exit(1)  # a crash: no FIN on the chunked body, no [DONE]
+                if self.behaviour["mode"] == "mid_break" and i >= self.behaviour["die_after"]:
+                    request.transport.write(b"zz\r\n")  # not a chunk size, after the first byte
+                    request.transport.close()
+                    return resp
                 delta = {"content": "tok "} if chat else None
                 await resp.write(_sse(_chunk(self.model, chat, delta, "tok ", None)))
                 await asyncio.sleep(self.behaviour["token_delay_s"])
@@ -121,6 +141,40 @@ class Faulty:
             await resp.write_eof()
         finally:
             self.streaming -= 1
+        return resp
+
+    async def _hostile(self, request: web.Request, mode: str, chat: bool) -> web.StreamResponse:
+        """One broken answer. Big ones are written a MiB at a time: the replica stays small."""
+        size = self.behaviour["size_bytes"]
+        raw = {"bad_chunk": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            b"zz\r\ndata: {}\r\n",
+               "cr_header": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Bad: a\rb\r\n"
+                            b"Content-Length: 2\r\n\r\n{}",
+               "bad_status": b"HTTP/1.1 999 Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"}
+        if mode in raw:  # below aiohttp's response writer: bytes no HTTP library would send
+            request.transport.write(raw[mode])
+            await asyncio.sleep(0.05)
+            request.transport.close()
+            return web.Response()
+        if mode == "gzip":
+            doc = {"id": "faulty", "object": "chat.completion" if chat else "text_completion", "model": self.model,
+                   "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "zipped"}}],
+                   "usage": _usage(1)}
+            return web.Response(body=gzip.compress(orjson.dumps(doc)), content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        status, ctype, head = {"endless_line": (200, "text/event-stream", b"data: "),
+                               "huge_body": (200, "application/json", b'{"id": "faulty", "pad": "'),
+                               "huge_error": (500, "application/json", b'{"error": {"message": "huge failure ')}[mode]
+        resp = web.StreamResponse(status=status, headers={"Content-Type": ctype})
+        if mode != "endless_line":
+            resp.content_length = size
+        await resp.prepare(request)
+        await resp.write(head)
+        left, block = size - len(head), b"x" * MIB
+        while left > 0:
+            await resp.write(block[:left])
+            left -= MIB
+        await resp.write_eof()
         return resp
 
     def app(self) -> web.Application:
@@ -165,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--token-delay-s", type=float, default=0.01)
     p.add_argument("--die-after", type=int, default=2)
+    p.add_argument("--size-bytes", type=int, default=300 * MIB, help="how big huge_body/huge_error/endless_line are")
     args = p.parse_args(argv)
     # handler_cancellation: an LB that gives up on a hanging request frees it here too
     web.run_app(Faulty(args).app(), host="127.0.0.1", port=args.port, print=None, access_log=None,

@@ -54,6 +54,7 @@ class LB:
         self.dispatcher.on_dispatch.append(self.dispatcher.fairness.queue_waited)
         self.prober = Prober(self.registry, cfg.probes, self.metrics)
         self.proxy = Proxy(cfg, self.registry, self.dispatcher, self.metrics)
+        self.prober.on_probe.append(self.proxy.hung.on_probe)  # hung requests, from probe evidence
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6
                                  deferred=lambda: getattr(getattr(self.proxy, "gate", None), "deferred", ()))
         self.peers = Peers(cfg, self.registry, self.dispatcher, self.metrics)  # cross-region (issue 4)
@@ -99,7 +100,7 @@ class LB:
                 cfg = replace(cfg, **{section: replace(old_s, **changed)})
                 applied += [f"{section}.{k}" for k in changed]
         cfg = replace(cfg, replicas=new.replicas)
-        for holder in (self.dispatcher, self.dispatcher.fairness, self.proxy, self.proxy.gate):
+        for holder in (self.dispatcher, self.dispatcher.fairness, self.proxy, self.proxy.gate, self.proxy.hung):
             holder.cfg = cfg  # they read these keys at each decision
         self.cfg = cfg
         restart = [f.name for f in fields(Config) if f.name not in ("replicas", "source")
@@ -122,6 +123,11 @@ HOT_RELOAD = {
 }
 
 
+async def _no_banner(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp would add `Server: Python/x aiohttp/y` (a version for scanners to match)."""
+    response.headers["Server"] = "lb"
+
+
 def _json(doc: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
 
@@ -129,6 +135,7 @@ def _json(doc: object, status: int = 200) -> web.Response:
 def build_app(cfg: Config) -> web.Application:
     app = web.Application(client_max_size=cfg.server.max_body_bytes)
     app.on_response_prepare.append(add_response_headers)  # e.g. x-lb-degraded
+    app.on_response_prepare.append(_no_banner)
     routes = web.RouteTableDef()
 
     def lb_of(request: web.Request) -> LB:
@@ -168,7 +175,7 @@ def build_app(cfg: Config) -> web.Application:
         return {"id": v.id, "url": v.url, "engine": v.engine, "models": sorted(v.models), "healthy": v.healthy,
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
                 "kv_usage": v.kv_usage, "reports_pending": v.reports_pending,
-                "circuit": rep.breaker.state(time.monotonic()).value}
+                "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect}
 
     @routes.get("/admin/replicas")
     async def list_replicas(request: web.Request) -> web.Response:

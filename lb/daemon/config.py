@@ -69,6 +69,16 @@ class UpstreamConfig:
     # A streamed request whose replica has not sent response headers this long after the
     # request went out is retried elsewhere (engines send them at once, before any queueing).
     first_byte_timeout_s: float = 15.0
+    # Bounds on what a replica can make `lb` hold (issue 13): a non-streamed answer larger than
+    # this is a 502; an error body is read up to this many bytes (its message is kept); a
+    # server-sent event line longer than this ends the stream (retried before the first byte).
+    max_response_bytes: int = 32 * 1024 * 1024
+    max_error_body_bytes: int = 64 * 1024
+    max_sse_line_bytes: int = 1024 * 1024
+    # A request outstanding this long on a replica whose probes have shown nothing running or
+    # waiting all that time is hung (lb.core.hung): retried elsewhere, or its stream ended
+    # with an error event; the replica is marked suspect. 0 turns the check off.
+    hung_after_s: float = 20.0
 
 
 # Request headers passed upstream besides the ones every request carries (Content-Type, Accept,
@@ -238,6 +248,11 @@ def _check(cfg: Config) -> None:
     positive("upstream.connect_timeout_s", cfg.upstream.connect_timeout_s)
     positive("upstream.read_timeout_s", cfg.upstream.read_timeout_s)
     positive("upstream.first_byte_timeout_s", cfg.upstream.first_byte_timeout_s)
+    positive("upstream.max_response_bytes", cfg.upstream.max_response_bytes)
+    positive("upstream.max_error_body_bytes", cfg.upstream.max_error_body_bytes)
+    positive("upstream.max_sse_line_bytes", cfg.upstream.max_sse_line_bytes)
+    if cfg.upstream.hung_after_s < 0:
+        raise ConfigError(f"upstream.hung_after_s: must be >= 0 (0 turns the check off), got {cfg.upstream.hung_after_s}")
     positive("server.idle_timeout_s", cfg.server.idle_timeout_s)
     positive("server.body_timeout_s", cfg.server.body_timeout_s)
     positive("server.max_connections", cfg.server.max_connections)

@@ -50,6 +50,8 @@ class Prober:
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
         self.tasks: dict[Replica, asyncio.Task] = {}
+        # hear every good probe: (replica, its load or None, when the probe started)
+        self.on_probe: list[Callable[[Replica, Load | None, float], None]] = []
         registry.on_add(self._start)
         registry.on_gone(self._stop)
 
@@ -152,6 +154,8 @@ class Prober:
             else:
                 view.kv_free_tokens = view.max_running = None
             view.pushed_since_probe, view.pushed_tokens_since_probe = self._unseen(rep, t0, outstanding_at_start, load)
+            for fn in self.on_probe:
+                fn(rep, load, t0)
         if view.healthy != was_healthy:
             log.warning("replica %s is now %s", rep.id, "healthy" if view.healthy else "UNHEALTHY")
         if self.metrics:

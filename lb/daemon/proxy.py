@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from lb.core.facts import H_REQUEST_ID, BadRequest, build_facts
 from lb.core.health import RETRYABLE_STATUSES, backoff_delay
@@ -31,6 +32,7 @@ from lb.daemon.config import Config
 from lb.daemon.dispatch import Dispatcher
 from lb.daemon.errors import LBError, normalize_upstream_error, sse_error_event
 from lb.daemon.coalescing import Coalescing, Flight
+from lb.daemon.hung import Attempt, HungWatch
 from lb.daemon.jobs import Jobs
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.surface import MultipartBody, fanout, read_multipart, reply_headers, upstream_headers
@@ -43,8 +45,10 @@ TAIL_BYTES = 4096  # the usage chunk of an SSE stream fits comfortably
 # when a request outgrows it, so a few tokens' lag changes nothing, and a chunk costs one
 # bytes.count and a comparison instead of a call per listener.
 PROGRESS_EVERY = 16
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                   aiohttp.ServerTimeoutError, asyncio.TimeoutError, ConnectionError)
+# Whatever a replica can make the client library raise: refused or broken connections,
+# timeouts, and broken HTTP (a bad chunk size, a CR inside a header: ClientResponseError or
+# ClientPayloadError; a line past its limit: LineTooLong, an HttpProcessingError).
+_UPSTREAM_ERRORS = (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, ConnectionError)
 
 
 # What the first line of a server-sent event stream can be (a field, a comment, a blank line).
@@ -68,6 +72,10 @@ class ClientGone(Exception):
     def __init__(self, response: web.StreamResponse):
         super().__init__("client disconnected")
         self.response = response
+
+
+class _LineTooLong(Exception):
+    """An SSE line past upstream.max_sse_line_bytes after the first byte."""
 
 
 class _Retry(Exception):
@@ -138,6 +146,7 @@ class Proxy:
         self.gate = Gate(cfg, registry, dispatcher, metrics)  # admission, NIW hold, priority
         self.jobs = Jobs(cfg, self, metrics)  # durable batch jobs (x-lb-durable, /v1/lb/jobs)
         self.coalescing = Coalescing(cfg.coalesce, metrics)  # identical temperature-0 requests share one
+        self.hung = HungWatch(cfg, registry, metrics)  # requests a replica holds while its probes show it idle
         self.access_log = AccessLog() if cfg.server.access_log else None
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
@@ -158,12 +167,17 @@ class Proxy:
                 out.status, out.reason = 499, "client_disconnected"
                 self.metrics.cancelled.labels("upstream").inc()
                 return gone.response
+            except Exception as e:  # a bug here must still give the client an answer and a log line
+                log.exception("request %s failed inside the LB", rid)
+                out.status, out.reason = 500, "internal_error"
+                return LBError(500, f"lb: internal error ({type(e).__name__})", code="internal_error").response(rid)
         except asyncio.CancelledError:
             if task in self._cut and task.uncancel() == 0:  # cut by the SIGTERM drain, not by the client
                 out.status, out.reason = 503, "shutting_down"
                 return LBError(503, "the load balancer shut down before this request was served",
                                code="shutting_down", retry_after=1).response(rid)
-            out.status, out.reason = 499, out.reason or "client_disconnected"
+            # after the first byte the reason said "ok": the client leaving is what happened
+            out.status, out.reason = 499, ("client_disconnected" if out.reason in ("", "ok") else out.reason)
             self.metrics.cancelled.labels("upstream" if out.target else "queue").inc()
             raise
         finally:
@@ -284,6 +298,7 @@ class Proxy:
             out.attempts += 1
             out.target = rep.id
             out.queue_wait_s = (out.queue_wait_s or 0.0) + waited
+            attempt = self.hung.start(rep)
             try:
                 last_try = out.attempts > up.retries
                 payload, sent = body, doc
@@ -291,16 +306,18 @@ class Proxy:
                     payload = self.gate.body_for(request, rep.view.engine, facts, doc, body)
                     sent, payload = _with_sglang_rid(rep.view.engine, route.name, doc, payload)
                 try:
-                    resp, retry_reason = await self._open(rep, request, payload, headers, last_try, facts.stream)
+                    resp, retry_reason = await self._open(rep, request, payload, headers, last_try, facts.stream,
+                                                          attempt)
                 except asyncio.CancelledError:  # the client left while the engine held the request
                     self._abort_sglang(rep, sent)
                     raise
                 if resp is not None:
                     try:
-                        return await self._relay(request, rep, resp, sent, rid, t0, out)
+                        return await self._relay(request, rep, resp, sent, rid, t0, out, attempt)
                     except _Retry as r:
                         retry_reason = r.reason
             finally:
+                self.hung.finish(attempt)
                 self.registry.completed(rep)
                 if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
                     # every attempt was charged at dispatch: correct it with the real token counts
@@ -314,6 +331,9 @@ class Proxy:
                                                  f"({retry_reason}); a streamed upload cannot be replayed",
                                             code="upstream_unavailable", retry_after=1)
             if out.attempts > up.retries:
+                if retry_reason in ("timeout", "hung"):
+                    raise LBError(504, f"upstream replicas did not answer in time ({retry_reason})",
+                                  code="upstream_timeout", retry_after=1)
                 raise LBError(502, f"upstream replicas failed before answering ({retry_reason})",
                               code="upstream_unavailable", retry_after=1)
             tried.add(rep.id)
@@ -333,7 +353,7 @@ class Proxy:
         return rep
 
     async def _open(self, rep: Replica, request, body, headers: dict,
-                    last_try: bool, stream: bool = False) -> tuple[aiohttp.ClientResponse | None, str]:
+                    last_try: bool, stream: bool, attempt: Attempt) -> tuple[aiohttp.ClientResponse | None, str]:
         """Send upstream until its headers arrive; (None, reason) when another replica should try.
 
         A refusal (502/503/504, e.g. an engine's "queue full") is passed on only on the last try,
@@ -351,19 +371,35 @@ class Proxy:
             data = body or None
         try:
             # Engines send a stream's headers at once; a replica silent this long is stuck.
-            async with asyncio.timeout(self.cfg.upstream.first_byte_timeout_s if stream else None):
+            async with asyncio.timeout(self.cfg.upstream.first_byte_timeout_s if stream else None) as deadline:
+                attempt.deadline = deadline  # moved to now if the replica is seen to hang (lb.daemon.hung)
                 resp = await rep.session.request(request.method, path, data=data, headers=headers)
-        except _CONNECT_ERRORS as e:
+            attempt.resp, attempt.deadline = resp, None
+        except _UPSTREAM_ERRORS as e:
             if isinstance(body, MultipartBody) and body.error:  # the client's upload stalled, not the engine
                 return None, body.error.code
-            kind = ("connect" if isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError))
-                    else "timeout" if isinstance(e, TimeoutError) else "disconnect")
-            self.metrics.upstream_errors.labels(rep.id, kind).inc()
-            self.registry.outcome(rep, False, kind)
+            kind = ("hung" if attempt.hung  # the watch counted it already
+                    else "connect" if isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError))
+                    else "timeout" if isinstance(e, TimeoutError)
+                    else "bad_http" if isinstance(e, (aiohttp.ClientResponseError, aiohttp.ClientPayloadError,
+                                                      HttpProcessingError))
+                    else "disconnect")
+            if kind != "hung":
+                self.metrics.upstream_errors.labels(rep.id, kind).inc()
+                self.registry.outcome(rep, False, kind)
             if kind == "connect":
                 self.registry.failed_hard(rep)
             log.warning("upstream %s failed before the first byte: %s: %s", rep.id, type(e).__name__, e)
             return None, kind
+        if not 100 <= resp.status <= 599:  # not an HTTP status: the replica is broken, never pass it on
+            resp.close()
+            self.metrics.upstream_errors.labels(rep.id, "bad_status").inc()
+            self.registry.outcome(rep, False, "bad_status")
+            log.warning("upstream %s answered HTTP status %d", rep.id, resp.status)
+            if last_try or not getattr(body, "replayable", True):
+                raise LBError(502, f"upstream {rep.id} answered an invalid HTTP status {resp.status}",
+                              code="upstream_bad_status", retry_after=1)
+            return None, "bad_status"
         if resp.status >= 500 and resp.status != 503:  # 503 is an engine's back-pressure, not a fault
             self.registry.outcome(rep, False, f"http_{resp.status}")
         if resp.status in RETRYABLE_STATUSES:
@@ -374,19 +410,28 @@ class Proxy:
         return resp, ""
 
     async def _relay(self, request: web.Request, rep: Replica, resp: aiohttp.ClientResponse, doc: dict,
-                     rid: str, t0: float, out: Outcome) -> web.StreamResponse:
+                     rid: str, t0: float, out: Outcome, attempt: Attempt) -> web.StreamResponse:
         finished = False
+        up = self.cfg.upstream
+        unwatch = _fail_body_on_close(resp)
         try:
             if resp.status >= 400:
-                err = normalize_upstream_error(resp.status, await resp.read())
+                # only a prefix: the message is in it, and a replica cannot make us hold more
+                prefix, whole = await _read_bounded(resp, up.max_error_body_bytes)
+                err = normalize_upstream_error(resp.status, prefix)
                 out.status, out.reason = resp.status, "upstream_error"
-                finished = True
+                finished = whole
                 return web.Response(status=resp.status, body=err, content_type="application/json",
                                     headers=reply_headers(resp, rid, rep.id))
             if resp.content_type == "text/event-stream":
-                result = await self._stream(request, rep, resp, rid, t0, out)
+                result = await self._stream(request, rep, resp, rid, t0, out, attempt)
             else:
-                data = await resp.read()
+                data, whole = await _read_bounded(resp, up.max_response_bytes)
+                if not whole:
+                    self.metrics.upstream_errors.labels(rep.id, "too_large").inc()
+                    self.registry.outcome(rep, False, "too_large")
+                    raise LBError(502, f"upstream {rep.id} answered more than upstream.max_response_bytes = "
+                                  f"{up.max_response_bytes} bytes", code="upstream_too_large")
                 out.usage = _usage_dict(data[-TAIL_BYTES:])
                 out.status, out.reason = resp.status, "ok"
                 self.registry.outcome(rep, True)
@@ -394,13 +439,16 @@ class Proxy:
                                       content_type=resp.content_type or "application/json")
             finished = True
             return result
-        except _CONNECT_ERRORS + (aiohttp.ClientPayloadError,) as e:
+        except _UPSTREAM_ERRORS as e:
+            if attempt.hung:  # the replica is not working on it: nothing done, nothing lost
+                raise _Retry("hung") from None
             # Non-streamed body broke after the headers: the engine already did the work.
             self.metrics.upstream_errors.labels(rep.id, "broken_body").inc()
             self.registry.outcome(rep, False, "broken_body")
             raise LBError(502, f"upstream {rep.id} broke off its response: {type(e).__name__}",
                           code="upstream_broken") from None
         finally:
+            unwatch()
             if finished:
                 resp.release()  # back to the keep-alive pool
             else:
@@ -408,8 +456,8 @@ class Proxy:
                 self._abort_sglang(rep, doc)
 
     async def _stream(self, request: web.Request, rep: Replica, resp: aiohttp.ClientResponse,
-                      rid: str, t0: float, out: Outcome) -> web.StreamResponse:
-        first = await self._first_line(rep, resp)  # nothing has reached the client yet: may retry
+                      rid: str, t0: float, out: Outcome, attempt: Attempt) -> web.StreamResponse:
+        first = await self._first_line(rep, resp, attempt)  # nothing has reached the client yet: may retry
         headers = {**reply_headers(resp, rid, rep.id),
                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"}
         # a coalesced flight records the stream for its listeners instead of writing to one client
@@ -421,10 +469,16 @@ class Proxy:
         tail = first[-TAIL_BYTES:]
         listeners = self.dispatcher.on_progress
         report_at = 1 if listeners else -1  # events count at which listeners next hear; -1: never
+        max_line, line = self.cfg.upstream.max_sse_line_bytes, 0  # bytes since the last newline
         try:
             await _send(client, first)
             async for chunk in resp.content.iter_any():
+                nl = chunk.rfind(b"\n")
+                line = line + len(chunk) if nl < 0 else len(chunk) - nl - 1
+                if line > max_line:  # an event that never ends: cut, the client is told below
+                    raise _LineTooLong()
                 await _send(client, chunk)
+                attempt.chunks += 1
                 out.events += chunk.count(b"data:")
                 if 0 < report_at <= out.events:
                     report_at = out.events + PROGRESS_EVERY
@@ -432,14 +486,22 @@ class Proxy:
                     for fn in listeners:
                         fn(rid, out.events, now)
                 tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else tail[len(chunk) - TAIL_BYTES:] + chunk
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                asyncio.TimeoutError) as e:
+        except _UPSTREAM_ERRORS + (_LineTooLong,) as e:
             # After the first byte there is no retry: say so in the stream the client reads.
-            self.metrics.upstream_errors.labels(rep.id, "broken_stream").inc()
-            self.registry.outcome(rep, False, "broken_stream")
-            out.reason = "upstream_broken_stream"
-            log.warning("stream from %s broke: %s: %s", rep.id, type(e).__name__, e)
-            await _send(client, sse_error_event(f"upstream {rep.id} broke off the stream ({type(e).__name__})"))
+            resp.close()
+            prefix = b"\n\n" if line else b""  # end the half-written event first
+            if attempt.hung:
+                out.reason = "upstream_hung"
+                await _send(client, prefix + sse_error_event(
+                    f"upstream {rep.id} stopped working on this stream (its probes show nothing running)",
+                    code="upstream_hung"))
+            else:
+                self.metrics.upstream_errors.labels(rep.id, "broken_stream").inc()
+                self.registry.outcome(rep, False, "broken_stream")
+                out.reason = "upstream_broken_stream"
+                log.warning("stream from %s broke: %s: %s", rep.id, type(e).__name__, e)
+                await _send(client, prefix + sse_error_event(
+                    f"upstream {rep.id} broke off the stream ({type(e).__name__})"))
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task not in self._cut:
@@ -455,14 +517,16 @@ class Proxy:
         await client.write_eof()
         return client
 
-    async def _first_line(self, rep: Replica, resp: aiohttp.ClientResponse) -> bytes:
+    async def _first_line(self, rep: Replica, resp: aiohttp.ClientResponse, attempt: Attempt) -> bytes:
         """A stream's first line, if it is server-sent events; else _Retry (a malformed or
         broken start counts against the replica's circuit breaker)."""
         try:
-            line = await resp.content.readline()
-        except ValueError:  # longer than any event an engine sends
+            line = await resp.content.readline(max_line_length=self.cfg.upstream.max_sse_line_bytes)
+        except (ValueError, LineTooLong):  # longer than upstream.max_sse_line_bytes
             line = b"?"
-        except _CONNECT_ERRORS + (aiohttp.ClientPayloadError,) as e:
+        except _UPSTREAM_ERRORS as e:
+            if attempt.hung:
+                raise _Retry("hung") from None
             self.metrics.upstream_errors.labels(rep.id, "broken_stream").inc()
             self.registry.outcome(rep, False, "broken_stream")
             raise _Retry(f"broke before the first byte: {type(e).__name__}") from None
@@ -538,6 +602,41 @@ def _with_sglang_rid(engine: str, route: str, doc: dict, body: bytes) -> tuple[d
     if not doc or start <= 0:
         return {**doc, "rid": rid}, orjson.dumps({**doc, "rid": rid})
     return {**doc, "rid": rid}, body[:start] + b'"rid":' + orjson.dumps(rid) + b"," + body[start:]
+
+
+def _fail_body_on_close(resp: aiohttp.ClientResponse):
+    """aiohttp (3.14) leaves a body read waiting forever when the replica's bytes break HTTP
+    mid-body (a bad chunk size after the first chunk): its parser closes the connection but
+    never tells the body's stream. Tell it here when the connection closes first. Returns
+    the undo (a keep-alive connection outlives this response)."""
+    protocol = resp.connection.protocol if resp.connection is not None else None
+    closed = protocol.closed if protocol is not None else None
+    if closed is None:
+        return lambda: None
+    content = resp.content
+
+    def on_close(f: asyncio.Future) -> None:
+        if not f.cancelled():
+            f.exception()  # retrieved: no "never retrieved" warning
+        if content.exception() is None and not content.is_eof():
+            content.set_exception(aiohttp.ClientPayloadError("the replica's connection closed mid-body"))
+
+    closed.add_done_callback(on_close)
+    return lambda: closed.remove_done_callback(on_close)
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """A response body up to `limit` bytes: (the bytes, True) when that is all of it, else
+    (the first `limit` bytes, False), without reading (or holding) the rest."""
+    if resp.content_length is not None and resp.content_length <= limit and not resp.headers.get("Content-Encoding"):
+        return await resp.read(), True
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await resp.content.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf), True
+        buf += chunk
+    return bytes(buf[:limit]), False
 
 
 def _usage_dict(tail: bytes) -> dict:

@@ -35,6 +35,7 @@ class Replica:
     reprobe: asyncio.Event = field(default_factory=asyncio.Event)
     models_known: bool = False
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
+    suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
 
     @property
     def id(self) -> str:
@@ -102,7 +103,9 @@ class Registry:
                                            enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s,
                                           sock_read=up.read_timeout_s),
-            auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            # We never ask for compression; a replica that compresses anyway is decoded (the
+            # client gets plain bytes without the Content-Encoding, as it asked), bounded by aiohttp.
+            auto_decompress=True, skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
         view = ReplicaView(id=rc.key, url=rc.url, engine=rc.engine, models=frozenset(rc.models),
                            reports_pending=rc.engine != "openai",
@@ -163,6 +166,8 @@ class Registry:
         """One request's fate on `rep` for its circuit breaker: failed (5xx, timeout, broken
         or malformed stream) or served."""
         changed = rep.breaker.record(ok, time.monotonic())
+        if ok:
+            rep.suspect = False
         if changed is State.OPEN:
             log.warning("replica %s circuit OPEN after %s: no requests for a while", rep.id, why or "failures")
         elif changed is State.CLOSED:
