@@ -69,12 +69,10 @@ class UpstreamConfig:
     # A streamed request whose replica has not sent response headers this long after the
     # request went out is retried elsewhere (engines send them at once, before any queueing).
     first_byte_timeout_s: float = 15.0
-    # Bounds on what a replica can make `lb` hold (issue 13): a non-streamed answer larger than
-    # this is a 502; an error body is read up to this many bytes (its message is kept); a
-    # server-sent event line longer than this ends the stream (retried before the first byte).
-    max_response_bytes: int = 32 * 1024 * 1024
-    max_error_body_bytes: int = 64 * 1024
-    max_sse_line_bytes: int = 1024 * 1024
+    # Bounds on what a replica can make `lb` hold (docs/security.md):
+    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer larger than this: 502 upstream_too_large
+    max_error_body_bytes: int = 64 * 1024  # an error body is read up to this (its message kept), the rest dropped
+    max_sse_line_bytes: int = 1024 * 1024  # a server-sent event line longer than this ends the stream (retried before the first byte)
     # A request outstanding this long on a replica whose probes have shown nothing running or
     # waiting all that time is hung (lb.core.hung): retried elsewhere, or its stream ended
     # with an error event; the replica is marked suspect. 0 turns the check off.
