@@ -28,7 +28,8 @@ from lb.daemon.errors import LBError, error_body
 log = logging.getLogger("lb.surface")
 
 # response headers an engine sends that the client does not get from lb as they are
-_NOT_RETURNED = NEVER_FORWARDED | {"content-type", "x-request-id", "server", "date", "set-cookie"}
+# (content-encoding: lb decodes what a replica compresses, lb.daemon.registry, so it is not true any more)
+_NOT_RETURNED = NEVER_FORWARDED | {"content-type", "x-request-id", "server", "date", "set-cookie", "content-encoding"}
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.I)
 
 
