@@ -256,6 +256,8 @@ class Emulator:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens.", "input")
         if any(not ids for ids in batch):
             raise ApiError(400, "An input is empty.", "input")
+        if self.max_queued is not None and self.engine.load().num_waiting >= self.max_queued:
+            raise ApiError(503, "The request queue is full.")
         streams = [self.driver.submit(GenRequest(f"pool-{uuid.uuid4().hex}", ids, 1, True, 0, False, False, None), 1)
                    for ids in batch]
         try:

@@ -172,6 +172,34 @@ def test_upload_with_the_file_before_the_model_and_chunked(fleet):
         assert status == 413 and doc["error"]["code"] == "body_too_large"
 
 
+def test_an_upload_is_retried_elsewhere_only_while_it_can_be_sent_again(procs, tmp_path):
+    """A replica refusing with 503 after reading the upload: a small upload, held whole, is
+    retried on the other replica; a large one already streamed to it cannot be, and the
+    engine's refusal is passed on instead of a half-sent retry."""
+    full, full_url = start_emulator("--max-queued", "0", name="full")  # refuses everything: queue full
+    ok, ok_url = start_emulator(name="ok")
+    procs += [full, ok]
+    cfg = tmp_path / "lb.toml"
+    cfg.write_text('[routing]\npolicy = "round-robin"\n'
+                   + "".join(f'[[replicas]]\nurl = "{u}"\nengine = "sglang"\nmodels = ["m"]\n' for u in (full_url, ok_url)))
+    d = start_lb(config=cfg)
+    procs.append(d.proc)
+    small, ctype = multipart([("model", b"m", None), ("file", b"\1" * 1000, "s.wav")])
+    for _ in range(4):  # round robin: the full replica comes first now and then
+        status, doc, h = raw_post(d, "/v1/audio/transcriptions", small, ctype)
+        assert status == 200 and h["X-LB-Replica"] == ok_url.split("//")[1], doc
+    retried = metric(d.url, "lb_upstream_retries_total", reason="http_503")
+    assert retried >= 1  # each time, retried on the other replica
+    large, ctype = multipart([("model", b"m", None), ("file", b"\2" * 3_000_000, "l.wav")])
+    refused_before = metric(d.url, "lb_upstream_errors_total", kind="http_503")
+    outcomes = [raw_post(d, "/v1/audio/transcriptions", large, ctype) for _ in range(4)]
+    refusals = [doc for status, doc, _ in outcomes if status == 503]
+    assert refusals and all(doc["error"]["message"] == "The request queue is full." for doc in refusals)
+    assert all(h["X-LB-Replica"] == ok_url.split("//")[1] for status, _, h in outcomes if status == 200)
+    assert metric(d.url, "lb_upstream_errors_total", kind="http_503") - refused_before == len(refusals)
+    assert metric(d.url, "lb_upstream_retries_total", reason="http_503") == retried  # no retry of a streamed upload
+
+
 # -- SGLang's native routes --------------------------------------------------------------------
 def test_generate_with_and_without_a_model(fleet):
     d, _ = fleet
