@@ -256,8 +256,9 @@ class Proxy:
         if not peers_serve and not any(r.view.healthy and r.view.serves(facts.model) and accepts(r.view)
                                        for r in self.registry.active()):
             raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
-        await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
-                                      any(self.dispatcher.available(r.view) for r in self.registry.active()))
+        if route.dispatch != DIRECT:  # a tokenize call spends no engine time: not a request RPM/OIT counts
+            await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
+                                          any(self.dispatcher.available(r.view) for r in self.registry.active()))
         if self.jobs.durable(request):  # 202 and a job id: served later, survives a restart
             return await self.jobs.accept(request, request.path, doc, facts)
         if route.dispatch != DIRECT:  # a tokenize call is not judged against an SLO

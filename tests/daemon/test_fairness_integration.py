@@ -51,6 +51,10 @@ def test_rpm_baseline_throttles_with_openai_error_and_ratelimit_headers(lb_with)
     assert h["x-ratelimit-limit-requests"] == "2" and h["x-ratelimit-remaining-requests"] == "0"
     assert h["x-ratelimit-reset-requests"].endswith("s")
     assert chat(lb, {"x-lb-user": "bob"})[0] == 200  # limits are per tenant
+    # over the limit, alice may still tokenize (no engine time) and is still refused embeddings
+    tok = http_json("POST", lb.url + "/tokenize", {"model": "m", "prompt": "hi"}, headers=alice)
+    emb = http_json("POST", lb.url + "/v1/embeddings", {"model": "m", "input": "hi"}, headers=alice)
+    assert (tok[0], emb[0]) == (200, 429)
 
 
 def test_oit_does_not_throttle_when_the_region_is_not_overloaded(lb_with):
