@@ -10,14 +10,17 @@ import hmac
 import logging
 import resource
 import signal
+import socket
 import sys
 import time
 from dataclasses import fields, replace
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
 from lb.core.policies import make_policy
+from lb.core.urls import denied, parse_deny
 from lb.daemon import config as config_mod
 from lb.daemon.capacity import Capacity
 from lb.daemon.admission_gate import add_response_headers
@@ -91,6 +94,9 @@ class LB:
         except ConfigError as e:
             log.error("reload failed, keeping the running config: %s", e)
             return
+        except Exception as e:  # whatever else reading it raised: still one line, still the old config
+            log.error("reload failed, keeping the running config: %s: %s: %s", self.cfg.source, type(e).__name__, e)
+            return
         added, removed = self.registry.apply(new.replicas)
         cfg, applied = self.cfg, []
         for section, keys in HOT_RELOAD.items():
@@ -126,6 +132,25 @@ HOT_RELOAD = {
 async def _no_banner(request: web.Request, response: web.StreamResponse) -> None:
     """aiohttp would add `Server: Python/x aiohttp/y` (a version for scanners to match)."""
     response.headers["Server"] = "lb"
+
+
+async def _check_not_denied(url: str, deny: tuple[str, ...]) -> None:
+    """400 for an admin-added replica whose host is (or resolves into) server.admin_replica_deny."""
+    host = urlsplit(url).hostname or ""
+    rules = parse_deny(deny, "server.admin_replica_deny")
+    hit = denied(host, [], rules)  # by name or literal address, before asking DNS anything
+    if hit is None:
+        try:
+            async with asyncio.timeout(2.0):
+                infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError) as e:
+            raise LBError(400, f"bad replica: url host {host!r} does not resolve ({e})", code="invalid_replica",
+                          param="url")
+        hit = denied(host, [i[4][0] for i in infos], rules)
+    if hit is not None:
+        raise LBError(400, f"bad replica: url host {host!r} is in server.admin_replica_deny ({hit}); "
+                      "the admin API does not point lb at link-local or metadata addresses", code="invalid_replica",
+                      param="url")
 
 
 def _json(doc: object, status: int = 200) -> web.Response:
@@ -195,6 +220,7 @@ def build_app(cfg: Config) -> web.Application:
                 rc = config_mod.from_dict({"replicas": [doc]}).replicas[0]
             except (orjson.JSONDecodeError, ConfigError) as e:
                 raise LBError(400, f"bad replica: {e}", code="invalid_replica")
+            await _check_not_denied(rc.url, lb.cfg.server.admin_replica_deny)
             try:
                 rep = lb.registry.add(rc)
             except KeyError as e:

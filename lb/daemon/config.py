@@ -33,6 +33,7 @@ from lb.core.queueing import make_queue
 from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT
 from lb.core.tiers import TierConfig
 from lb.core.types import Pushing
+from lb.core.urls import DEFAULT_DENY, parse_deny, url_for_display, url_problem
 from lb.daemon.scaling_hooks import ScalingConfig
 
 ENGINES = ("sglang", "vllm", "llamacpp", "openai")
@@ -56,6 +57,9 @@ class ServerConfig:
     idle_timeout_s: float = 60.0
     body_timeout_s: float = 30.0  # reading a request body longer than this: 408
     max_connections: int = 10000  # open client connections; beyond it a new one gets 503 and is closed
+    # Address ranges and host names POST /admin/replicas refuses (resolved first), so the admin
+    # API cannot point lb at cloud metadata; loopback stays allowed. Config-file replicas are not checked.
+    admin_replica_deny: tuple[str, ...] = DEFAULT_DENY
 
 
 @dataclass(frozen=True)
@@ -281,16 +285,22 @@ def _check(cfg: Config) -> None:
     seen: dict[str, int] = {}
     for i, r in enumerate(cfg.replicas):
         path = f"replicas[{i}]"
-        parts = urlsplit(r.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{path}.url: {r.url!r} is not an http(s) URL; write e.g. url = \"http://10.0.0.5:30000\"")
-        if parts.path not in ("", "/"):
-            raise ConfigError(f"{path}.url: {r.url!r} has a path; give the server root, e.g. \"{parts.scheme}://{parts.netloc}\"")
+        problem = url_problem(r.url, f"{path}.url")  # scheme, port, no credentials/query/path
+        if problem:
+            raise ConfigError(problem)
         if r.engine not in ENGINES:
             raise ConfigError(f"{path}.engine: {r.engine!r} is not allowed; use one of: {', '.join(ENGINES)}")
         if r.key in seen:
             raise ConfigError(f"{path}: duplicate replica {r.key!r} (also replicas[{seen[r.key]}]); give each a distinct url or id")
         seen[r.key] = i
+    for i, p in enumerate(cfg.peers):
+        problem = url_problem(p.url, f"peers[{i}].url")
+        if problem:
+            raise ConfigError(problem.replace("the replica's `api_key`", "peering.secret (peers sign, lb.core.peering)"))
+    try:
+        parse_deny(cfg.server.admin_replica_deny, "server.admin_replica_deny")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 _CORE_SECTIONS = {"identity": IdentityConfig.from_dict, "fairness": FairnessConfig.from_dict, "tiers": TierConfig.from_dict,
@@ -336,7 +346,7 @@ def _check_schema(key: str, data: dict) -> None:
             raise ConfigError("state.url/prefix: only for backend = \"redis\"; the memory backend shares nothing")
         url = data.get("url")
         if url is not None and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"state.url: {url!r} is not a Redis URL; write e.g. url = \"redis://127.0.0.1:6379/0\"")
+            raise ConfigError(f"state.url: {url_for_display(url)!r} is not a Redis URL; write e.g. url = \"redis://127.0.0.1:6379/0\"")
 
 
 def _core_section(key: str, value: object):
@@ -388,9 +398,15 @@ def from_env(cfg: Config) -> Config:
 def load(path: str | Path) -> Config:
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file")
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a directory; give the TOML file in it")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the config as UTF-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read: {e.strerror or e}")
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}")
     return from_dict(data, source=str(p.resolve()))
@@ -435,6 +451,8 @@ def _masked(key: str, v: object) -> object:
         return {f"<key {i + 1}>": tenant for i, tenant in enumerate(v.values())}
     if key in SECRET_KEYS and isinstance(v, str) and v:
         return "<set>"
+    if key == "url" and isinstance(v, str):  # e.g. state.url = "redis://:password@host"
+        return url_for_display(v)
     if isinstance(v, dict):
         return {k: _masked(k, x) for k, x in v.items()}
     if isinstance(v, list):
