@@ -82,6 +82,9 @@ class Stream:
         self._event.clear()
 
 
+MAX_LAG_S = 0.1  # wall seconds the driver may run behind its engine timeline before resyncing
+
+
 class Driver:
     """Runs the engine in real time: engine seconds = wall seconds × speed."""
 
@@ -124,17 +127,26 @@ class Driver:
         return sum(n for _, n in self._recent) / 5.0
 
     async def run(self) -> None:
+        last_end = None  # engine time the previous step ended, while steps run back to back
         while True:
             now = self.now()
             t = self.engine.next_event_time(now)
             if t is None:
+                last_end = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if t > now:
                 await asyncio.sleep((t - now) / self.speed)
                 continue
+            # A step follows the previous one at its engine-time end, not when the event loop
+            # got round to it: under CPU contention that wake-up takes milliseconds, which
+            # would stretch every step (10 % at --speed 2 on a busy 2-core machine) and make
+            # the emulator slower than its profile. Far behind (an overloaded host): resync.
+            if last_end is not None and now - last_end < MAX_LAG_S * self.speed:
+                now = last_end
             result = self.engine.step(now)
+            last_end = result.end
             # sleep to the step's absolute end, so timer slack does not accumulate
             delay = self._t0 + result.end / self.speed - time.monotonic()
             if delay > 0:

@@ -9,7 +9,7 @@ as sglang-router, vllm-router and nginx do, reaching other regions' replicas acr
 WAN as the live comparison's delay proxies do).
 
 Clients (bench/sim/clients.py) call `Arena.send` from their region; the arena adds the WAN
-hop to the region's front, and calls back with a `Done` (client-observed TTFT and E2E,
+hop to the region's front and `HTTP_S` each way, and calls back with a `Done` (client-observed TTFT and E2E,
 tokens, cached tokens) when the last token is back at the client.
 """
 from __future__ import annotations
@@ -25,6 +25,13 @@ from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from bench.sim.peer_policies import PeerPolicy, PeerRequest
 from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
 from lb.core.types import RequestFacts
+
+
+# One way through the HTTP stack between a client and the engine (client, LB, engine server on
+# one network), in engine seconds. Not zero: a request sent when its parent's last token
+# arrives reaches the engine after the next batch has formed, as it does live (without it
+# every closed-loop child joined the very step its parent finished at, ~1 step early).
+HTTP_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -177,8 +184,9 @@ class Arena:
     """One seed of one system: fleet, fronts, and the requests clients send through them."""
 
     def __init__(self, fleet: FleetSpec, system: str, *, seed: int, lb_cfg: LBConfig | None = None,
-                 peer: PeerPolicy | None = None):
+                 peer: PeerPolicy | None = None, http_s: float = HTTP_S):
         self.fleet, self.system, self.seed = fleet, system, seed
+        self.http_s = http_s
         self.loop = EventLoop()
         self.profile = get_profile(fleet.profile)
         self.callbacks: dict[str, tuple[Call, float, Callable[[Done], None]]] = {}
@@ -218,11 +226,8 @@ class Arena:
         sent = self.loop.now
         self.sent += 1
         self.callbacks[call.request_id] = (call, sent, on_done)
-        front, hop = self._front_of(call.region)
-        if hop:
-            self.loop.after(hop, self._arrive, call)
-        else:
-            self._arrive(call)
+        _, hop = self._front_of(call.region)
+        self.loop.after(hop + self.http_s, self._arrive, call)
 
     def _arrive(self, call: Call) -> None:
         now = self.loop.now
@@ -247,13 +252,10 @@ class Arena:
     def _completed(self, req: SimRequest, prompt: int, cached: int, output: int) -> None:
         call, sent, on_done = self.callbacks.pop(req.id)
         _, hop = self._front_of(call.region)
-        back = req.extra_latency / 2 + hop  # replica -> (forwarding LB) -> front -> client
+        back = req.extra_latency / 2 + hop + self.http_s  # replica -> (forwarding LB) -> front -> client
         done = Done(req, sent, req.first_token + back - sent, self.loop.now + back - sent, prompt, cached, output)
         self.done.append(done)
-        if back:
-            self.loop.after(back, on_done, done)
-        else:
-            on_done(done)
+        self.loop.after(back, on_done, done)
 
     @property
     def in_flight(self) -> int:

@@ -45,31 +45,40 @@ class Programs:
     until `stop_at`; a program's next requests go out the moment their parent's last
     token is back at the client, as the live client does."""
 
-    def __init__(self, arena: Arena, workload, *, stop_at: float):
+    def __init__(self, arena: Arena, workload, *, stop_at: float, max_requests: int | None = None):
         self.arena, self.workload, self.stop_at = arena, workload, stop_at
+        self.max_requests = max_requests  # like the live client's --requests: stop issuing after this many
         self.programs_started = 0
+
+    def may_issue(self) -> bool:
+        if self.max_requests is not None and self.arena.sent >= self.max_requests:
+            return False
+        return self.arena.loop.now < self.stop_at
 
     def _send(self, program, spec: RequestSpec, region: str, on_end: Callable[[], None] | None) -> None:
         self.arena.send(call_of(spec, region), lambda done: self._finished(program, spec, region, on_end, done))
 
     def _finished(self, program, spec: RequestSpec, region: str, on_end, done: Done) -> None:
         program.pending -= 1
-        if self.arena.loop.now < self.stop_at:
-            for nxt in program.on_done(spec, output_text(done.output_tokens)):
+        for nxt in program.on_done(spec, output_text(done.output_tokens)):
+            if self.may_issue():
                 program.pending += 1
                 self._send(program, nxt, region, on_end)
         if program.pending == 0 and on_end is not None:
             on_end()
 
     def start_program(self, client: int, index: int, region: str, on_end: Callable[[], None] | None = None) -> None:
-        if self.arena.loop.now >= self.stop_at:
+        if not self.may_issue():
             return
         program = self.workload.program(client, index)
         self.programs_started += 1
-        first = program.start()
-        program.pending = len(first)
-        for spec in first:
-            self._send(program, spec, region, on_end)
+        program.pending = 0
+        for spec in program.start():
+            if self.may_issue():
+                program.pending += 1
+                self._send(program, spec, region, on_end)
+        if program.pending == 0 and on_end is not None:
+            on_end()
 
     def clients(self, per_region: dict[str, int]) -> None:
         """Fixed clients: each runs programs 0, 1, 2, ... one after another."""

@@ -1,0 +1,118 @@
+"""The simulator against the live emulator: one closed-loop run both ways, same figures.
+
+`simulate` runs `--clients` programs of a live workload behind `lb` in the simulator and
+reports exactly what `lb-bench run` reports live (bench/stats.py): throughput = requests
+completed / time until the last one finished (issuing stops at the duration, requests in
+flight then still finish and count), TTFT p50/p90 over the completed requests. `live`
+runs the same workload, seed, clients and fleet over real emulator processes with `lb` in
+front. With emulators at `speed`x, every lb time constant is divided by `speed`
+(bench/systems.engine_time_config) and live figures are converted back to engine time
+(throughput / speed, TTFT x speed) before comparing.
+
+tests/bench/test_sim_agreement.py asserts the two agree; `python -m bench.sim.agreement
+WORKLOAD` prints both for a workload by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.sim.arena import Arena, FleetSpec, RegionSpec, lb_config
+from bench.sim.clients import Programs
+from bench.workloads import make_workload
+
+PROFILE = "l4-llama3-8b"
+
+
+def simulate(workload: str, params: dict, *, clients: int, replicas: int, requests: int, seed: int = 0) -> dict:
+    """Engine-time figures of a closed-loop run in the simulator."""
+    arena = Arena(FleetSpec((RegionSpec("local", replicas),), profile=PROFILE), "lb", seed=seed, lb_cfg=lb_config())
+    programs = Programs(arena, make_workload(workload, seed=seed, **params), stop_at=float("inf"),
+                        max_requests=requests)
+    programs.clients({"local": clients})
+    while arena.in_flight:  # issuing stopped: let what is in flight finish, as the live client does
+        arena.loop.run(arena.loop.now + 1.0)
+    done = arena.done
+    end = max(d.sent_at + d.e2e for d in done)
+    ttft = np.array([d.ttft for d in done])
+    return {"requests": len(done), "throughput_rps": len(done) / end,
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "e2e_p50_s": float(np.median([d.e2e for d in done])), "duration_s": end,
+            "cached_ratio": sum(d.cached_tokens for d in done) / sum(d.prompt_tokens for d in done)}
+
+
+def live(workload: str, params: dict, *, clients: int, replicas: int, requests: int, speed: float,
+         seed: int = 0, log_dir: Path | None = None) -> dict:
+    """The same run over real emulators at `speed`x behind `lb`, in engine time."""
+    from bench.client import run_bench
+    from bench.fleet import Fleet
+    from bench.systems import lb, start
+
+    with Fleet(log_dir or Path(tempfile.mkdtemp(prefix="agreement-"))) as fleet:
+        emulators = [fleet.emulator(f"emu{i}", profile=PROFILE, speed=speed, seed=seed + i) for i in range(replicas)]
+        url = start(lb(), fleet, [e.url for e in emulators], speed=speed)[0]
+        report, _ = asyncio.run(run_bench([url], workload, clients=clients, requests=requests,
+                                          seed=seed, params=params))
+    if report["errors"]:
+        raise RuntimeError(f"live run had errors: {report['errors_by_kind']}")
+    return {"requests": report["ok"], "throughput_rps": report["throughput_rps"] / speed,
+            "ttft_p50_s": report["ttft_s"]["p50"] * speed, "ttft_p90_s": report["ttft_s"]["p90"] * speed,
+            "e2e_p50_s": report["e2e_s"]["p50"] * speed, "duration_s": report["duration_s"] * speed,
+            "cached_ratio": report["cached_token_ratio"]}
+
+
+def disagreements(sim: dict, real: dict, *, throughput_rel: float = 0.10, ttft_rel: float = 0.20,
+                  ttft_abs_s: float = 0.05) -> list[str]:
+    """What is outside the agreed bounds: throughput within 10 %, TTFT p50/p90 within 20 % + 50 ms."""
+    out = []
+    if abs(sim["throughput_rps"] - real["throughput_rps"]) > throughput_rel * real["throughput_rps"]:
+        out.append(f"throughput sim {sim['throughput_rps']:.3f} vs live {real['throughput_rps']:.3f} req/s")
+    for key in ("ttft_p50_s", "ttft_p90_s"):
+        if abs(sim[key] - real[key]) > ttft_rel * real[key] + ttft_abs_s:
+            out.append(f"{key} sim {sim[key] * 1000:.0f} vs live {real[key] * 1000:.0f} ms")
+    return out
+
+
+def line(name: str, sim: dict, real: dict) -> str:
+    return (f"{name}: throughput sim {sim['throughput_rps']:.3f} / live {real['throughput_rps']:.3f} req/s; "
+            f"TTFT p50 {sim['ttft_p50_s'] * 1000:.0f} / {real['ttft_p50_s'] * 1000:.0f} ms; "
+            f"p90 {sim['ttft_p90_s'] * 1000:.0f} / {real['ttft_p90_s'] * 1000:.0f} ms; "
+            f"E2E p50 {sim['e2e_p50_s']:.2f} / {real['e2e_p50_s']:.2f} s; "
+            f"cached {sim['cached_ratio']:.2f} / {real['cached_ratio']:.2f}; run {sim['duration_s']:.1f} / {real['duration_s']:.1f} s; "
+            f"requests {sim['requests']} / {real['requests']} (engine time)")
+
+
+# What the agreement test runs: small, closed loop, the live comparisons' profile.
+CASES = {
+    "tot": {"params": {"output_tokens": 16}, "clients": 6, "requests": 300},
+    "mixed-tree": {"params": {"output_tokens": 16}, "clients": 8, "requests": 300},
+    "multiturn": {"params": {"output_tokens": 32}, "clients": 8, "requests": 120},
+}
+REPLICAS = 2
+SPEED = 2.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=list(CASES))
+    parser.add_argument("--speed", type=float, default=SPEED)
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--clients", type=int)
+    parser.add_argument("--output-tokens", type=int)
+    args = parser.parse_args()
+    case = CASES[args.workload]
+    if args.output_tokens:
+        case["params"]["output_tokens"] = args.output_tokens
+    kw = dict(clients=args.clients or case["clients"], replicas=REPLICAS, requests=args.requests or case["requests"])
+    sim = simulate(args.workload, case["params"], **kw)
+    real = live(args.workload, case["params"], speed=args.speed, **kw)
+    print(line(args.workload, sim, real))
+    print("disagreements:", disagreements(sim, real) or "none")
+
+
+if __name__ == "__main__":
+    main()
