@@ -49,6 +49,7 @@ class PeeringConfig:
     policy: str = "prefix-trie"  # prefix-trie | consistent-hash | nearest
     adopt_after_s: float = 5.0  # grace period before adopting a dead peer's replicas
     max_clock_skew_s: float = 30.0  # signed peer requests older/newer than this are refused
+    max_nonces: int = 100_000  # peer-call nonces remembered inside the skew window (replays refused); beyond: 401 until some expire
     seed: int = 0
 
     @classmethod
@@ -68,7 +69,8 @@ class PeeringConfig:
         return cfg
 
     def check(self, path: str = "peering") -> None:
-        for key in ("probe_interval_s", "probe_timeout_s", "stale_intervals", "adopt_after_s"):
+        for key in ("probe_interval_s", "probe_timeout_s", "stale_intervals", "adopt_after_s", "max_clock_skew_s",
+                    "max_nonces"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{path}.{key}: must be > 0, got {getattr(self, key)}")
         if self.tau < 0:

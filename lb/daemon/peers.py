@@ -6,9 +6,10 @@ Algorithm 1 in `lb.core.peering.decide`), so forwarding reuses the streaming pro
 bytes flow replica → remote LB → this LB → client as they come, a failure before the first
 byte retries locally or on another peer, and a client that leaves closes both hops.
 
-Peer calls carry `x-lb-peer-region`, `x-lb-peer-ts` and `x-lb-peer-sig` = HMAC-SHA256 of
-region, timestamp, method and path under the shared secret (`peering.secret` or env
-`LB_PEER_SECRET`). A request that carries `x-lb-peer-sig` and fails the check is refused
+Peer calls carry `x-lb-peer-region`, `x-lb-peer-ts`, `x-lb-peer-nonce` and `x-lb-peer-sig` =
+HMAC-SHA256 under the shared secret (`peering.secret` or env `LB_PEER_SECRET`) of region,
+timestamp, nonce, method, path, body hash and the identity headers (lb.core.peer_auth); a
+nonce is accepted once inside the skew window (docs/security.md: the threat model). A request that carries `x-lb-peer-sig` and fails the check is refused
 (401); without it, `x-lb-hop` and any other `x-lb-peer-*` header are ignored (and never
 forwarded), so a client cannot pose as a peer and make an LB skip its forwarding rules. An authenticated forward (`x-lb-hop: 1`) is only ever
 placed on local replicas.
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
 import hmac
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from lb.core.facts import H_APP, H_FINAL_CALL, H_HOP, H_INTERACTION_ID, H_INTERACTION_STAGE, H_RESIDENCY, H_SESSION, H_TIER, H_USER
 from lb.core.health import HealthTracker
+from lb.core.peer_auth import STREAMED, Nonces, PeerAuthError, body_hash, check_timestamp, signature
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus, adoption_action, decide, peer_available
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.config import Config, ReplicaConfig
@@ -44,38 +46,52 @@ STATUS_PATH = "/lb/peer/status"
 H_PEER_REGION = "x-lb-peer-region"
 H_PEER_TS = "x-lb-peer-ts"
 H_PEER_SIG = "x-lb-peer-sig"
+H_PEER_NONCE = "x-lb-peer-nonce"
 PEER_PREFIX = "peer:"
 # The client's identity headers travel with a forward so the remote LB's fairness, tiers and
 # consistent hashing see the same request.
 CARRIED = (H_USER, H_SESSION, H_APP, H_INTERACTION_ID, H_INTERACTION_STAGE, H_FINAL_CALL, H_TIER, H_RESIDENCY)
 _carried: contextvars.ContextVar[dict] = contextvars.ContextVar("lb_peer_carried", default={})
+SIGNED_IDENTITY = CARRIED + (H_HOP,)  # a forward's identity headers: signed, so not re-labelled
 
 
-def signature(secret: str, region: str, ts: str, method: str, path: str) -> str:
-    msg = f"{region}\n{ts}\n{method.upper()}\n{path}".encode()
-    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+def _identity(headers) -> dict[str, str]:
+    return {h: headers.get(h) for h in SIGNED_IDENTITY if headers.get(h) is not None}
 
 
-def auth_headers(secret: str, region: str, method: str, path: str, now_wall: float | None = None) -> dict[str, str]:
+def _body_sha256(body) -> str:
+    return body_hash(body) if isinstance(body, (bytes, bytearray)) or body is None else STREAMED
+
+
+def auth_headers(secret: str, region: str, method: str, path: str, now_wall: float | None = None, *,
+                 body=b"", identity: dict[str, str] | None = None) -> dict[str, str]:
+    """The signing headers of one peer call; `identity`: the identity headers it carries."""
     ts = f"{time.time() if now_wall is None else now_wall:.3f}"
-    return {H_PEER_REGION: region, H_PEER_TS: ts, H_PEER_SIG: signature(secret, region, ts, method, path)}
+    nonce = secrets.token_hex(16)
+    sig = signature(secret, region=region, ts=ts, nonce=nonce, method=method, path=path,
+                    body_sha256=_body_sha256(body), identity=identity or {})
+    return {H_PEER_REGION: region, H_PEER_TS: ts, H_PEER_NONCE: nonce, H_PEER_SIG: sig}
 
 
-def verify(secret: str, headers, method: str, path: str, max_skew_s: float, now_wall: float | None = None) -> str:
-    """The calling peer's region, or LBError 401."""
+def verify(secret: str, headers, method: str, path: str, max_skew_s: float, nonces: Nonces, *, body=b"",
+           now_wall: float | None = None) -> str:
+    """The calling peer's region, or LBError 401 (lb.core.peer_auth says what is checked)."""
     if not secret:
         raise LBError(401, "peer calls are disabled here: set peering.secret or LB_PEER_SECRET", code="peer_auth_disabled")
-    region, ts, sig = headers.get(H_PEER_REGION), headers.get(H_PEER_TS), headers.get(H_PEER_SIG)
-    if not (region and ts and sig):
-        raise LBError(401, f"peer call without {H_PEER_REGION}, {H_PEER_TS} and {H_PEER_SIG}", code="invalid_peer_auth")
+    region, ts, sig, nonce = (headers.get(h) for h in (H_PEER_REGION, H_PEER_TS, H_PEER_SIG, H_PEER_NONCE))
+    if not (region and ts and sig and nonce):
+        raise LBError(401, f"peer call without {H_PEER_REGION}, {H_PEER_TS}, {H_PEER_NONCE} and {H_PEER_SIG}",
+                      code="invalid_peer_auth")
+    now = time.time() if now_wall is None else now_wall
     try:
-        skew = abs((time.time() if now_wall is None else now_wall) - float(ts))
-    except ValueError:
-        raise LBError(401, f"{H_PEER_TS} is not a timestamp", code="invalid_peer_auth") from None
-    if skew > max_skew_s:
-        raise LBError(401, f"peer call signed {skew:.0f}s away from our clock", code="invalid_peer_auth")
-    if not hmac.compare_digest(sig.encode(), signature(secret, region, ts, method, path).encode()):
-        raise LBError(401, "peer signature does not match the shared secret", code="invalid_peer_auth")
+        signed_at = check_timestamp(ts, now, max_skew_s)
+        want = signature(secret, region=region, ts=ts, nonce=nonce, method=method, path=path,
+                         body_sha256=_body_sha256(body), identity=_identity(headers))
+        if not hmac.compare_digest(sig.encode(), want.encode()):
+            raise PeerAuthError("signature does not match the shared secret, this body and these headers")
+        nonces.use(nonce, signed_at, now)  # only a verified call spends room in the window
+    except PeerAuthError as e:
+        raise LBError(401, f"peer call refused: {e}", code="invalid_peer_auth") from None
     return region
 
 
@@ -96,6 +112,7 @@ class Peers:
         self.dispatcher = dispatcher
         self.router = PeerRouter(self.pc.policy, seed=self.pc.seed)
         self.links: dict[str, PeerLink] = {}
+        self.nonces = Nonces(self.pc.max_clock_skew_s, self.pc.max_nonces)  # replays refused
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
         self._blocked_seen: OrderedDict[str, None] = OrderedDict()  # count a blocked request once
@@ -178,14 +195,16 @@ class Peers:
         return link.target
 
     # -- the proxy's side ------------------------------------------------------------------
-    def inbound(self, request: web.Request, facts: RequestFacts) -> RequestFacts:
-        """Authenticate a forward from a peer; everything else is a client's request (hops 0)."""
+    def inbound(self, request: web.Request, facts: RequestFacts, body=b"") -> RequestFacts:
+        """Authenticate a forward from a peer (signed over `body` too); everything else is a
+        client's request (hops 0)."""
         headers = {k.lower(): v for k, v in request.headers.items()}
         _carried.set({h: headers[h] for h in CARRIED if h in headers})
         if H_PEER_SIG not in headers:
             return facts  # a client: its own x-lb-hop or other x-lb-peer-* headers mean nothing
         try:
-            region = verify(self.pc.secret, headers, request.method, request.path, self.pc.max_clock_skew_s)
+            region = verify(self.pc.secret, headers, request.method, request.path_qs, self.pc.max_clock_skew_s,
+                            self.nonces, body=body)
         except LBError:
             self.auth_failures.labels("forward").inc()
             raise
@@ -201,9 +220,12 @@ class Peers:
         return facts.hops == 0 and any(link.target.view.healthy and link.status.serves(facts.model)
                                        and accepts(link.target.view) for link in self.links.values())
 
-    def outbound_headers(self, headers: dict, path: str) -> dict:
-        return {**headers, **_carried.get(), H_HOP: "1",
-                **auth_headers(self.pc.secret, self.pc.region, "POST", path)}
+    def outbound_headers(self, headers: dict, method: str, path: str, body) -> dict:
+        """A forward's headers: the identity it carries, the hop mark, and the signature over
+        them, the method, the path (query included) and `body` (bytes; else a streamed upload)."""
+        identity = {**_carried.get(), H_HOP: "1"}
+        return {**headers, **identity, **auth_headers(self.pc.secret, self.pc.region, method, path, body=body,
+                                                      identity=_identity(identity))}
 
     def forward_failed(self, target: Replica, reason: str) -> None:
         """A forward failed before the first byte (the proxy retries it locally or on another
@@ -242,7 +264,8 @@ class Peers:
 
     async def handle_status(self, request: web.Request) -> web.Response:
         try:
-            verify(self.pc.secret, request.headers, request.method, request.path, self.pc.max_clock_skew_s)
+            verify(self.pc.secret, request.headers, request.method, request.path_qs, self.pc.max_clock_skew_s,
+                   self.nonces)
         except LBError as e:
             self.auth_failures.labels("status").inc()
             return e.response()

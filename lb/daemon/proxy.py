@@ -244,7 +244,7 @@ class Proxy:
         except BadRequest as e:
             raise LBError(400, str(e), code="invalid_request", param=e.param)
         if self.peering is not None:  # 401 for a bad peer signature; hops=1 for a peer's forward
-            facts = self.peering.inbound(request, facts)
+            facts = self.peering.inbound(request, facts, body)
         fairness = self.dispatcher.fairness
         facts = fairness.identify(request.headers, doc, facts)  # 400/401 on bad identity
         out.model, out.stream, out.user = facts.model, facts.stream, facts.user
@@ -361,8 +361,6 @@ class Proxy:
         or when the body was an upload already streamed (it cannot be sent again).
         """
         path = request.path_qs
-        if rep.view.engine == "peer" and self.peering is not None:  # signed, hop-marked, identity carried
-            headers = self.peering.outbound_headers(headers, path.split("?", 1)[0])
         if rep.cfg.api_key:  # the replica's own key replaces the client's
             headers = {**headers, "Authorization": f"Bearer {rep.cfg.api_key}"}
         if isinstance(body, MultipartBody):
@@ -370,6 +368,8 @@ class Proxy:
             data = body.payload()
         else:
             data = body or None
+        if rep.view.engine == "peer" and self.peering is not None:  # signed, hop-marked, identity carried
+            headers = self.peering.outbound_headers(headers, request.method, path, body)
         try:
             # Engines send a stream's headers at once; a replica silent this long is stuck.
             async with asyncio.timeout(self.cfg.upstream.first_byte_timeout_s if stream else None) as deadline:

@@ -102,6 +102,13 @@ def body(max_tokens: int = 4, stream: bool = False, text: str = "hello") -> dict
             "stream": stream, "ignore_eos": True}
 
 
+def signed_forward(doc: dict, secret: str = SECRET, **identity: str) -> dict:
+    """The headers `us` would sign a forward of `doc` with (sent as json.dumps(doc))."""
+    ident = {"x-lb-hop": "1", **identity}
+    return {**ident, **auth_headers(secret, "us", "POST", "/v1/chat/completions",
+                                    body=json.dumps(doc).encode(), identity=ident)}
+
+
 def chat(url: str, headers: dict | None = None, timeout: float = 30.0, **kw) -> tuple[int, dict]:
     return http_json("POST", url + "/v1/chat/completions", body(**kw), headers=headers, timeout=timeout)
 
@@ -165,9 +172,9 @@ def test_a_forwarded_request_is_placed_locally_never_forwarded_again(cluster):
     hold = Hold(eu)
     try:
         # A forward signed as from us arrives at a full eu while asia is free: eu must queue it.
-        headers = {**auth_headers(SECRET, "us", "POST", "/v1/chat/completions"), "x-lb-hop": "1"}
+        headers = signed_forward(body())
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(chat, eu.url, headers)
+            fut = pool.submit(http_json, "POST", eu.url + "/v1/chat/completions", json.dumps(body()).encode(), headers)
             poll(lambda: eu.metric("lb_queue_length") == 1, what="the forward to wait in eu's queue")
             assert eu.metric("lb_peer_available", peer="asia") == 1
             assert not fut.done()
@@ -238,10 +245,32 @@ def test_unauthenticated_peer_calls_are_rejected(cluster):
     status, doc = http_json("GET", eu.url + STATUS_PATH, headers=auth_headers(SECRET, "us", "GET", STATUS_PATH))
     assert status == 200 and doc["region"] == "eu" and doc["models"] == ["m"]
     # a forward with a forged signature is refused, not served
-    forged = {**auth_headers("wrong-secret", "us", "POST", "/v1/chat/completions"), "x-lb-hop": "1"}
+    forged = signed_forward(body(), secret="wrong-secret")
     status, doc = chat(eu.url, forged)
     assert status == 401 and doc["error"]["type"] == "authentication_error"
     assert eu.metric("lb_peer_auth_failures_total", endpoint="forward") >= 1
+
+
+def test_a_captured_peer_call_cannot_be_replayed_rebodied_or_relabelled(cluster):
+    """Issue 13 case 6: the signature covers a nonce, the body and the identity headers."""
+    eu = cluster["eu"]
+    settle(cluster)
+    url, raw = eu.url + "/v1/chat/completions", json.dumps(body()).encode()
+    captured = signed_forward(body(), **{"x-lb-user": "alice"})
+    status, doc = http_json("POST", url, raw, captured)
+    assert status == 200, doc  # the original call
+    status, doc = http_json("POST", url, raw, captured)  # the same bytes again: a replay
+    assert status == 401 and "nonce already used" in doc["error"]["message"], doc
+    fresh = signed_forward(body(), **{"x-lb-user": "alice"})
+    status, doc = http_json("POST", url, json.dumps(body(max_tokens=400)).encode(), fresh)  # another body
+    assert status == 401 and "signature" in doc["error"]["message"], doc
+    fresh = signed_forward(body(), **{"x-lb-user": "alice"})
+    status, doc = http_json("POST", url, raw, {**fresh, "x-lb-user": "mallory"})  # another identity
+    assert status == 401, doc
+    for ts in ("nan", "inf", "-inf", "1e999"):  # never within the skew window
+        bad = {**signed_forward(body()), "x-lb-peer-ts": ts}
+        status, doc = http_json("POST", url, raw, bad)
+        assert status == 401 and "finite" in doc["error"]["message"], (ts, doc)
 
 
 def test_a_client_cannot_pose_as_a_peer(cluster):
