@@ -25,6 +25,7 @@ from lb.daemon import config as config_mod
 from lb.daemon.capacity import Capacity
 from lb.daemon.admission_gate import add_response_headers
 from lb.daemon.config import Config, ConfigError, ReplicaConfig
+from lb.daemon.discovery import Discovery
 from lb.daemon.dispatch import Dispatcher
 from lb.daemon.errors import LBError, error_body
 from lb.daemon.fairness import TenantCollector
@@ -62,11 +63,13 @@ class LB:
                                  deferred=lambda: getattr(getattr(self.proxy, "gate", None), "deferred", ()))
         self.peers = Peers(cfg, self.registry, self.dispatcher, self.metrics)  # cross-region (issue 4)
         self.proxy.peering = self.peers
+        self.discovery = Discovery(cfg.discovery, self.registry)  # Kubernetes / DNS replica sources
 
     async def start(self) -> None:
         await self.prober.start()
         for rc in self.cfg.replicas:
             self.registry.add(rc)
+        self.discovery.start()
         self.dispatcher.start()
         self.capacity.start()
         await self.peers.start()
@@ -74,6 +77,7 @@ class LB:
         await self.proxy.jobs.start()  # durable batch jobs: replay the journal, queue unfinished ones
 
     async def stop(self) -> None:
+        await self.discovery.close()
         await self.capacity.stop()
         await self.peers.close()
         await self.proxy.jobs.close()  # before the gate: a job cut now stays queued in the journal
@@ -200,7 +204,8 @@ def build_app(cfg: Config) -> web.Application:
         return {"id": v.id, "url": v.url, "engine": v.engine, "models": sorted(v.models), "healthy": v.healthy,
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
                 "kv_usage": v.kv_usage, "reports_pending": v.reports_pending,
-                "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect}
+                "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,
+                "source": rep.source or "static"}
 
     @routes.get("/admin/replicas")
     async def list_replicas(request: web.Request) -> web.Response:

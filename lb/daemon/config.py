@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import importlib.util
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from lb.core.affinity import AffinityConfig
 from lb.core.breaker import BreakerConfig
 from lb.core.coalesce import coalesce_config
 from lb.core.deferred import DeferredConfig
+from lb.core.discovery import DiscoveryConfig
 from lb.core.fairness import FairnessConfig
 from lb.core.identity import IdentityConfig
 import lb.core.orders  # noqa: F401  (registers the fair and tiered queue orders by name)
@@ -169,6 +171,8 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)  # issue 6: lb.daemon.capacity
     planner: dict = field(default_factory=dict)  # read by `lb plan`, not the daemon
     replicas: tuple[ReplicaConfig, ...] = ()
+    # Replicas found in Kubernetes (EndpointSlices) or DNS (SRV/A), beside `replicas` (lb.daemon.discovery).
+    discovery: tuple[DiscoveryConfig, ...] = ()
     source: str = ""  # the file it came from; SIGHUP re-reads it
 
 
@@ -301,6 +305,17 @@ def _check(cfg: Config) -> None:
         parse_deny(cfg.server.admin_replica_deny, "server.admin_replica_deny")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for i, d in enumerate(cfg.discovery):
+        path = f"discovery[{i}]"
+        try:
+            d.check(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if d.engine not in ENGINES:
+            raise ConfigError(f"{path}.engine: {d.engine!r} is not allowed; use one of: {', '.join(ENGINES)}")
+        module, extra = {"kubernetes": ("kubernetes_asyncio", "k8s"), "dns": ("dns.asyncresolver", "dns")}[d.kind]
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise ConfigError(f"{path}.kind: {d.kind} discovery needs the `{extra}` extra: pip install 'lb[{extra}]'")
 
 
 _CORE_SECTIONS = {"identity": IdentityConfig.from_dict, "fairness": FairnessConfig.from_dict, "tiers": TierConfig.from_dict,
@@ -369,6 +384,10 @@ def from_dict(data: dict, source: str = "") -> Config:
             if not isinstance(value, list):
                 raise ConfigError("replicas: write each replica as a [[replicas]] table with url, engine, models")
             kwargs[key] = tuple(_build(ReplicaConfig, r, f"replicas[{i}]") for i, r in enumerate(value))
+        elif key == "discovery":
+            if not isinstance(value, list):
+                raise ConfigError("discovery: write each source as a [[discovery]] table with kind = \"kubernetes\" or \"dns\"")
+            kwargs[key] = tuple(_build(DiscoveryConfig, d, f"discovery[{i}]") for i, d in enumerate(value))
         elif key == "peers":
             try:
                 kwargs[key] = peers_from_list(value)
@@ -485,11 +504,11 @@ def to_toml(cfg: Config) -> str:
 
     lines = []
     for f in fields(Config):
-        if f.name in ("replicas", "peers", "source"):
+        if f.name in ("replicas", "peers", "discovery", "source"):
             continue
         doc = _masked(f.name, _plain(getattr(cfg, f.name)))
         lines += table(f"[{f.name}]", {k: _masked(k, v) for k, v in doc.items() if k not in DERIVED.get(f.name, ())})
-    for name in ("peers", "replicas"):
+    for name in ("peers", "replicas", "discovery"):
         for item in getattr(cfg, name):
             lines += table(f"[[{name}]]", {k: _masked(k, v) for k, v in _plain(item).items()})
     return "\n".join(lines)

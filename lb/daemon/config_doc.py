@@ -14,15 +14,17 @@ import json
 import re
 import tomllib
 
+from lb.core.discovery import DNS_RECORDS, DISCOVERY_KINDS, DiscoveryConfig
 from lb.core.peering import PeerConfig
 from lb.core.policies import POLICIES
 from lb.core.queueing import QUEUE_ORDERS
 from lb.daemon import config as C
 
-ARRAYS = {"replicas": C.ReplicaConfig, "peers": PeerConfig}  # [[tables]]: one per item
+ARRAYS = {"replicas": C.ReplicaConfig, "peers": PeerConfig, "discovery": DiscoveryConfig}  # [[tables]]: one per item
 CHOICES = {("pushing", "mode"): C.PUSHING_MODES, ("replicas", "engine"): C.ENGINES,
            ("routing", "policy"): sorted(POLICIES), ("queue", "order"): sorted(QUEUE_ORDERS),
-           ("state", "backend"): C.STATE_BACKENDS}  # the names validation accepts
+           ("state", "backend"): C.STATE_BACKENDS, ("discovery", "kind"): DISCOVERY_KINDS,
+           ("discovery", "engine"): C.ENGINES, ("discovery", "record"): DNS_RECORDS}  # the names validation accepts
 
 
 def field_comments(cls: type, above_too: bool = True) -> dict[str, str]:

@@ -36,6 +36,7 @@ class Replica:
     models_known: bool = False
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
     suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
+    source: str = ""  # a discovery source that owns it (e.g. "discovery[0]"); "": config file or admin API
 
     @property
     def id(self) -> str:
@@ -90,7 +91,7 @@ class Registry:
                    and (engine is None or r.view.engine == engine) for r in self.active())
 
     # -- changes ---------------------------------------------------------------------------
-    def add(self, rc: ReplicaConfig) -> Replica:
+    def add(self, rc: ReplicaConfig, source: str = "") -> Replica:
         if rc.key in self.replicas and not self.replicas[rc.key].view.draining:
             raise KeyError(f"replica {rc.key!r} already exists")
         old = self.replicas.pop(rc.key, None)
@@ -114,7 +115,7 @@ class Registry:
         health = HealthTracker(self.cfg.probes.unhealthy_after, self.cfg.probes.healthy_after, healthy=False,
                                _oks=self.cfg.probes.healthy_after - 1)
         rep = Replica(cfg=rc, view=view, health=health, session=session, models_known=bool(rc.models),
-                      breaker=Breaker(self.cfg.breaker))
+                      breaker=Breaker(self.cfg.breaker), source=source)
         self.replicas[rc.key] = rep
         for fn in self._on_add:
             fn(rep)
@@ -135,9 +136,10 @@ class Registry:
         return True
 
     def apply(self, replicas: tuple[ReplicaConfig, ...]) -> tuple[list[str], list[str]]:
-        """Make the replica set equal to `replicas` (config reload). Returns (added, removed)."""
+        """Make the replica set equal to `replicas` (config reload). Returns (added, removed).
+        Replicas a discovery source owns are its own business: left as they are."""
         wanted = {rc.key: rc for rc in replicas}
-        removed = [rid for rid, r in self.replicas.items() if not r.view.draining
+        removed = [rid for rid, r in self.replicas.items() if not r.view.draining and not r.source
                    and (rid not in wanted or wanted[rid] != r.cfg)]
         for rid in removed:
             self.remove(rid)
