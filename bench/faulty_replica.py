@@ -178,7 +178,7 @@ class Faulty:
         return resp
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * MIB)  # big prompts reach it (job bounds are lb's to enforce)
         r = app.router
         r.add_get("/fault", self.get_fault)
         r.add_post("/fault", self.set_fault)

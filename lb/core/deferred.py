@@ -28,6 +28,14 @@ class DeferredConfig:
     # the job API is off and held NIW work lives in memory only (lost on restart).
     persist_dir: str | None = None
     job_retention_s: float = 7 * 86400.0  # a finished job stays fetchable this long
+    # Bounds on durable jobs (docs/security.md): over one, a new job gets 429 (413 for one body
+    # larger than a tenant's byte budget). Finished jobs are dropped oldest-first, before their
+    # retention ends, when the totals need room; unfinished ones never are.
+    max_jobs: int = 10_000  # jobs held (unfinished and finished kept), all tenants
+    max_job_bytes: int = 256 * 1024 * 1024  # bytes of their requests and responses, all tenants
+    max_jobs_per_tenant: int = 1_000  # unfinished jobs of one tenant (x-lb-user or API key)
+    max_job_bytes_per_tenant: int = 64 * 1024 * 1024  # bytes of one tenant's unfinished jobs
+    max_journal_bytes: int = 512 * 1024 * 1024  # the journal is compacted when it grows past this (>= max_job_bytes)
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "deferred") -> "DeferredConfig":
@@ -43,6 +51,13 @@ class DeferredConfig:
             raise ValueError(f"{path}.persist_dir: must be a directory path")
         if cfg.job_retention_s <= 0:
             raise ValueError(f"{path}.job_retention_s: must be > 0")
+        for key in ("max_jobs", "max_job_bytes", "max_jobs_per_tenant", "max_job_bytes_per_tenant", "max_journal_bytes"):
+            value = getattr(cfg, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{path}.{key}: must be an integer >= 1, got {value!r}")
+        if cfg.max_journal_bytes < cfg.max_job_bytes:
+            raise ValueError(f"{path}.max_journal_bytes: must be >= max_job_bytes ({cfg.max_job_bytes}): "
+                             "a compacted journal holds every job kept")
         return cfg
 
 

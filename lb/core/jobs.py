@@ -34,6 +34,11 @@ class Job:
     finished_at: float | None = None
     attempts: int = 0
     response: dict | None = None  # {"status_code", "request_id", "body"}
+    size: int = 0  # bytes it holds (request, and response once finished): what the job bounds count
+
+    @property
+    def tenant(self) -> str:
+        return self.identity.get("user") or ""
 
     @property
     def route(self) -> str:
@@ -121,6 +126,47 @@ def records_of(jobs: Iterable[Job]) -> list[dict]:
         out.append(submit_record(job))
         if job.done:
             out.append(finish_record(job))
+    return out
+
+
+def refusal(jobs: Iterable[Job], tenant: str, size: int, cfg) -> tuple[int, str, str] | None:
+    """Why a new job of `size` bytes from `tenant` cannot be held, as (status, code, message),
+    or None. `cfg`: the [deferred] bounds. Finished jobs do not count: they can be dropped
+    (`droppable`) to make room, a tenant's unfinished work cannot."""
+    if size > cfg.max_job_bytes_per_tenant:
+        return 413, "job_too_large", (f"a job of {size} bytes exceeds deferred.max_job_bytes_per_tenant = "
+                                      f"{cfg.max_job_bytes_per_tenant}")
+    count = nbytes = total = total_bytes = 0
+    for j in jobs:
+        if j.done:
+            continue
+        total += 1
+        total_bytes += j.size
+        if j.tenant == tenant:
+            count += 1
+            nbytes += j.size
+    if count + 1 > cfg.max_jobs_per_tenant or nbytes + size > cfg.max_job_bytes_per_tenant:
+        return 429, "too_many_jobs", (f"this tenant has {count} unfinished jobs ({nbytes} bytes); "
+                                      f"deferred.max_jobs_per_tenant = {cfg.max_jobs_per_tenant}, "
+                                      f"max_job_bytes_per_tenant = {cfg.max_job_bytes_per_tenant}: wait for some to finish")
+    if total + 1 > cfg.max_jobs or total_bytes + size > cfg.max_job_bytes:
+        return 429, "jobs_full", (f"{total} unfinished jobs ({total_bytes} bytes) fill deferred.max_jobs = "
+                                  f"{cfg.max_jobs} / max_job_bytes = {cfg.max_job_bytes}: retry later")
+    return None
+
+
+def droppable(jobs: Iterable[Job], size: int, cfg, count: int = 1) -> list[Job]:
+    """Finished jobs to forget, oldest first, so that `count` more holding `size` bytes fit the totals."""
+    held = list(jobs)
+    over_count = len(held) + count - cfg.max_jobs
+    over_bytes = sum(j.size for j in held) + size - cfg.max_job_bytes
+    out = []
+    for j in sorted((j for j in held if j.done), key=lambda j: j.finished_at or 0.0):
+        if over_count <= 0 and over_bytes <= 0:
+            break
+        out.append(j)
+        over_count -= 1
+        over_bytes -= j.size
     return out
 
 

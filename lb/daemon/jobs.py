@@ -30,8 +30,8 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from lb.core.facts import H_TIER, BadRequest, build_facts
-from lb.core.jobs import (IDENTITY_FIELDS, JOB_URLS, QUEUED, RUNNING, Job, check_body, expired, finish_record,
-                          parse_submission, records_of, replay, submit_record)
+from lb.core.jobs import (IDENTITY_FIELDS, JOB_URLS, QUEUED, RUNNING, Job, check_body, droppable, expired,
+                          finish_record, parse_submission, records_of, refusal, replay, submit_record)
 from lb.core.types import RequestFacts, Tier
 from lb.daemon.errors import LBError
 
@@ -53,6 +53,7 @@ class Journal:
         self._fd: int | None = None
         self._lock_fd: int | None = None
         self._lock = asyncio.Lock()
+        self.size = 0  # bytes in the file now (deferred.max_journal_bytes triggers a compaction)
 
     def open(self) -> list[dict]:
         """Lock the directory and read what is there (a torn last line is skipped)."""
@@ -64,7 +65,9 @@ class Journal:
             raise RuntimeError(f"deferred.persist_dir {self.dir} is in use by another lb process") from None
         records = []
         if self.path.exists():
-            for n, line in enumerate(self.path.read_bytes().splitlines(), 1):
+            data = self.path.read_bytes()
+            self.size = len(data)
+            for n, line in enumerate(data.splitlines(), 1):
                 try:
                     records.append(orjson.loads(line))
                 except orjson.JSONDecodeError:
@@ -76,8 +79,10 @@ class Journal:
         tmp = self.path.with_suffix(".jsonl.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, b"".join(orjson.dumps(r) + b"\n" for r in records))
+            data = b"".join(orjson.dumps(r) + b"\n" for r in records)
+            os.write(fd, data)
             os.fsync(fd)
+            self.size = len(data)
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
@@ -98,6 +103,7 @@ class Journal:
     def _write(self, line: bytes) -> None:
         os.write(self._fd, line)
         os.fsync(self._fd)
+        self.size += len(line)
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
@@ -139,6 +145,8 @@ class Jobs:
             return
         records = await asyncio.to_thread(self.journal.open)
         self.jobs = replay(records)
+        for job in self.jobs.values():
+            job.size = _size(job)
         await self._compact()
         pending = [j for j in self.jobs.values() if not j.done]
         for job in pending:
@@ -199,8 +207,15 @@ class Jobs:
             raise LBError(400, str(e), code="invalid_request", param=e.param)
         job = Job(id="job_" + uuid.uuid4().hex, created_at=time.time(), url=url, body=body, custom_id=custom_id,
                   identity={k: getattr(facts, k) for k in IDENTITY_FIELDS})
-        await self.journal.append(submit_record(job))  # durable before it is acknowledged
-        self.jobs[job.id] = job
+        job.size = _size(job)
+        self._make_room(job)  # 413/429 over a bound (lb.core.jobs.refusal); finished ones may go
+        self.jobs[job.id] = job  # counted from now: concurrent submissions see it
+        try:
+            await self.journal.append(submit_record(job))  # durable before it is acknowledged
+        except BaseException:
+            self.jobs.pop(job.id, None)
+            raise
+        await self._bound_journal()
         self.submitted.inc()
         self._launch(job)
         location = f"/v1/lb/jobs/{job.id}"
@@ -235,6 +250,25 @@ class Jobs:
             return False
         raise LBError(400, f"{H_DURABLE} must be 1 or 0, got {value!r}", code="invalid_request", param=H_DURABLE)
 
+    def _make_room(self, job: Job) -> None:
+        d = self.cfg.deferred
+        no = refusal(self.jobs.values(), job.tenant, job.size, d)
+        if no is not None:
+            status, code, message = no
+            raise LBError(status, message, code=code, retry_after=None if status == 413 else 5)
+        for old in droppable(self.jobs.values(), job.size, d):
+            del self.jobs[old.id]  # finished, the oldest: its result goes before its retention ends
+
+    async def _bound_journal(self) -> None:
+        """Compact once the journal outgrows deferred.max_journal_bytes (it then holds only the
+        jobs kept, which the job bounds cap)."""
+        limit = self.cfg.deferred.max_journal_bytes
+        if self.journal.size > limit:
+            await self._compact()
+            if self.journal.size > limit:
+                log.warning("jobs journal is %d bytes after compaction, over deferred.max_journal_bytes = %d",
+                            self.journal.size, limit)
+
     def _check_enabled(self) -> None:
         if not self.enabled:
             raise LBError(400, "durable batch jobs are off: set [deferred] persist_dir", code="jobs_disabled")
@@ -267,6 +301,10 @@ class Jobs:
             status, body = 500, {"error": {"message": f"lb: {type(e).__name__}", "type": "server_error",
                                            "param": None, "code": "internal_error"}}
         job.finish(status, body, time.time())
+        job.size = _size(job)
+        for old in droppable(self.jobs.values(), 0, self.cfg.deferred, count=0):  # its response counts too
+            if old is not job:
+                del self.jobs[old.id]
         self.finished.labels(job.status).inc()
         try:
             await self.journal.append(finish_record(job))
@@ -274,6 +312,8 @@ class Jobs:
             log.error("job %s finished but its result could not be journalled: %s", job.id, e)
         if time.monotonic() - self._compacted_at > COMPACT_EVERY_S:
             await self._compact()
+        else:
+            await self._bound_journal()
 
     async def _attempts(self, job: Job) -> tuple[int, object]:
         """Run the job until it has an answer to keep. Waiting for room in the deferred queue
@@ -312,6 +352,11 @@ class Jobs:
             del self.jobs[job_id]
         await self.journal.compact(records_of(self.jobs.values()))
         self._compacted_at = time.monotonic()
+
+
+def _size(job: Job) -> int:
+    """Bytes a job holds: its request body, and its response once it has one."""
+    return len(orjson.dumps(job.body)) + (len(orjson.dumps(job.response)) if job.response else 0)
 
 
 def _json_or_text(body: bytes) -> object:

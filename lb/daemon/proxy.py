@@ -282,6 +282,9 @@ class Proxy:
         except LBError as e:
             out.status, out.reason = e.status, e.reason
             return e.response(facts.request_id)
+        except asyncio.CancelledError:  # lb is stopping: the job stays queued in its journal
+            out.status, out.reason = 503, "shutting_down"
+            raise
         finally:
             out.e2e_s = time.monotonic() - t0
             self._account(out)

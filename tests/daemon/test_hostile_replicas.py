@@ -21,7 +21,7 @@ import pytest
 
 from tests.daemon.conftest import http_json, start_lb
 from tests.daemon.test_hostile import access_line
-from tests.procs import PYTHON, Proc, free_port, metric
+from tests.procs import PYTHON, Proc, free_port, metric, poll
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MIB = 1 << 20
@@ -213,3 +213,64 @@ def test_a_client_leaving_after_the_first_byte_is_logged_499_client_disconnected
             seen += chunk
     line = access_line(alone, rid)
     assert (line["status"], line["reason"]) == (499, "client_disconnected"), line
+
+
+def test_job_bounds_answer_429_and_memory_and_journal_stay_bounded(replicas, hostile, tmp_path):
+    """Issue 13 case 4: 1 MiB jobs from one tenant, then from many, while the replica holds
+    every request (so none finishes): per-tenant and total bounds answer 429, a body over a
+    tenant's budget 413; RSS and the journal stay bounded (before: 150 jobs took lb from 45 to
+    235 MB and wrote a 151 MB journal)."""
+    hostile(mode="hang")
+    persist = tmp_path / "jobs"
+    d = lb_over(tmp_path, [replicas[0]], f'[deferred]\npersist_dir = "{persist}"\nmax_jobs_per_tenant = 3\n'
+                f'max_job_bytes_per_tenant = 4194304\nmax_job_bytes = 8388608\nmax_journal_bytes = 12582912\n')
+    pid = d.proc.popen.pid
+
+    def job(user: str, size: int = MIB) -> tuple[int, dict]:
+        line = {"url": "/v1/chat/completions",
+                "body": {**CHAT, "messages": [{"role": "user", "content": "x" * size}]}}
+        return http_json("POST", d.url + "/v1/lb/jobs", line, {"x-lb-user": user})
+
+    try:
+        assert job("warm", 10)[0] == 202
+        peak0 = peak_rss_mb(pid)
+        answers = [job("alice") for _ in range(6)]
+        codes = [a[0] for a in answers]
+        assert codes == [202] * 3 + [429] * 3, (codes, [http_json("GET", d.url + "/v1/lb/jobs/" + a[1]["id"])[1]
+                                                        for a in answers if a[0] == 202])
+        status, doc = job("alice")
+        assert status == 429 and doc["error"]["code"] == "too_many_jobs" and doc["error"]["type"] == "rate_limit_error"
+        status, doc = job("bob", 5 * MIB)
+        assert status == 413 and doc["error"]["code"] == "job_too_large", doc
+        codes = [job(f"user-{i}")[0] for i in range(30)]
+        assert codes.count(202) == 4 and set(codes) == {202, 429}, codes  # 8 MiB in all, 3 + 1 taken
+        growth = peak_rss_mb(pid) - peak0
+        journal = (persist / "jobs.jsonl").stat().st_size
+        print(f"\n38 x 1 MiB jobs posted: peak RSS +{growth:.1f} MB, journal {journal / MIB:.1f} MiB")
+        assert growth < 60, growth
+        assert journal <= 12 * MIB + MIB
+    finally:
+        d.proc.stop()
+
+
+def test_finished_jobs_make_room_and_the_journal_is_compacted_at_its_bound(replicas, hostile, tmp_path):
+    """Jobs that finish keep their results until the totals need room (oldest go first), and
+    the journal is compacted when it outgrows deferred.max_journal_bytes."""
+    persist = tmp_path / "jobs"
+    d = lb_over(tmp_path, [replicas[0]], f'[deferred]\npersist_dir = "{persist}"\n'
+                f'max_job_bytes = 4194304\nmax_journal_bytes = 6291456\n')
+    line = {"url": "/v1/chat/completions", "body": {**CHAT, "messages": [{"role": "user", "content": "x" * MIB}]}}
+    try:
+        ids, sizes = [], []
+        for _ in range(12):
+            status, doc = http_json("POST", d.url + "/v1/lb/jobs", line)
+            assert status == 202, doc
+            ids.append(doc["id"])
+            poll(lambda: http_json("GET", f"{d.url}/v1/lb/jobs/{ids[-1]}")[1].get("status") == "completed",
+                 what="the job to complete")
+            sizes.append((persist / "jobs.jsonl").stat().st_size)
+        assert max(sizes) <= 6 * MIB + 2 * MIB, sizes
+        kept = [http_json("GET", f"{d.url}/v1/lb/jobs/{j}")[0] for j in ids]
+        assert kept[-1] == 200 and kept[0] == 404 and kept.count(200) <= 4, kept  # the oldest results went first
+    finally:
+        d.proc.stop()
