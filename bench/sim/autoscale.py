@@ -133,7 +133,7 @@ class Autoscaler:
         ready = [r for r in pool if r.ready]
         starting = len(pool) - len(ready)
         lb = self.sim.lbs[region]
-        queued = lb.queued_tokens.get(model, 0)
+        queued = lb.scheduler.waiting_tokens(model)
         cap = sum(r.engine.profile.kv_tokens for r in pool)
         used = sum(r.engine.probe()[2] * r.engine.profile.kv_tokens for r in ready)
         kv = (used + queued) / cap if cap else (1.0 if queued else 0.0)

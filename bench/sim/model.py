@@ -1,29 +1,31 @@
 """Regions, load balancers and replicas in virtual time.
 
 `SimReplica` drives one `FastEngine` (the emulator's engine model) from the event loop and
-bills its lifetime. `SimLB` is one region's load balancer, deciding exactly as the daemon
-does (`lb.core.pushing.is_available`, the configured `lb.core.policies` policy and
-`lb.core.queueing` order, walked like `lb.daemon.dispatch.Dispatcher.dispatch_pass`), on
-views that are only as fresh as the daemon's:
+bills its lifetime. `SimLB` is one region's load balancer: it owns the daemon's scheduler
+(`lb.core.scheduler.Scheduler`, the very object `lb.daemon.dispatch` calls: eligibility,
+queue order and tenant charging, cache-affine ordering and holds, the routing policy,
+SkyWalker's local-then-peer dispatch) and calls it in virtual time, on views that are only
+as fresh as the daemon's:
 
 - every replica is probed on the LB's 100 ms grid; the view shows the engine's waiting and
   running counts and KV usage *as of the last grid tick* (a replica snapshots its state
   before the first change after each tick, so a read later sees the tick's state), plus
-  the LB's own pushes since (`pushed_since_probe`) and outstanding counts;
+  the LB's own pushes the probe cannot have seen (`lb.core.pushing.settle_probe`, the
+  daemon's estimate) and outstanding counts;
 - after a push the replica is re-probed `early_reprobe_s` later, as the daemon does;
 - a dispatch pass runs on arrival, completion, early re-probe, and on each grid tick while
   requests wait (the daemon's "probe result" wake-up).
 
-Cross-region (SkyWalker Algorithm 1): a request nothing local can take goes to the nearest
-peer LB that has an available replica for its model and a queue no longer than `tau`; it
+Cross-region (SkyWalker Algorithm 1, `lb.core.peering.decide` with the `nearest` peer
+policy): a request nothing local can take goes to a peer LB that has an available replica
+for its model and a queue no longer than `tau`, seen through a status as fresh as now; it
 arrives there one-way latency later marked `hops=1`, is placed on that region's replicas
 only, and its tokens travel back the same latency.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from bench.engine import EngineRequest
@@ -31,10 +33,12 @@ from bench.profiles import Profile
 from bench.sim.core import EventLoop
 from bench.sim.fastengine import DecodeRun, FastEngine
 from bench.sim.metrics import Metrics
-from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_PUSH_CREDIT, is_available, push_tokens
-from lb.core.queueing import make_queue
+from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
-from lb.core.types import Pushing, QueueEntry, ReplicaView, RequestFacts
+from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_PUSH_CREDIT, settle_probe
+from lb.core.queueing import make_queue
+from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
+from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 
 
 @dataclass(slots=True)
@@ -81,9 +85,10 @@ class SimReplica:
                                 region=region, healthy=ready_at <= loop.now,
                                 max_running=profile.max_running)
         self.draining = False
-        self.push_times: deque[tuple[float, int]] = deque()  # (when, KV tokens it may take)
+        self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf
         self.snap: tuple[int, int, float, int] = (0, 0, 0.0, profile.kv_tokens)
+        self.snap_outstanding = 0  # the LB's outstanding count at the snapshot
         self.requests: dict[str, SimRequest] = {}
         self._token = 0  # generation of the pending wake-up
         self._run: DecodeRun | None = None
@@ -117,37 +122,40 @@ class SimReplica:
         if tick > self.snap_tick:
             self.snap_tick = tick
             self.snap = self.engine.probe()
+            # pushes the scheduler counted since the tick have not reached the engine yet
+            unapplied = 0
+            for t, _ in reversed(self.view.push_log):
+                if t < tick:
+                    break
+                unapplied += 1
+            self.snap_outstanding = self.view.outstanding - unapplied
 
-    def state_at_tick(self, tick: float) -> tuple[int, int, float, int]:
-        return self.snap if self.snap_tick == tick else self.engine.probe()
+    def state_at_tick(self, tick: float) -> tuple[tuple[int, int, float, int], int]:
+        if self.snap_tick == tick:
+            return self.snap, self.snap_outstanding
+        return self.engine.probe(), self.view.outstanding
 
-    def probe_into_view(self, at: float, state: tuple[int, int, float, int]) -> None:
+    def probe_into_view(self, at: float, state: tuple[int, int, float, int], outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
         KV room (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
         v.pending, v.running, v.kv_usage, v.kv_free_tokens = state
         v.last_probe_at = at
-        horizon = at - self.lb.cfg.early_reprobe_s  # pushes older than this reached the engine
-        pushes = self.push_times
-        while pushes and pushes[0][0] <= horizon:
-            pushes.popleft()
-        v.pushed_since_probe = len(pushes)
-        v.pushed_tokens_since_probe = sum(tokens for _, tokens in pushes)
+        settle_probe(v, at, outstanding_at, v.pending, v.running, self.lb.cfg.early_reprobe_s)
+
+    def probe_now(self) -> None:
+        self.probe_into_view(self.loop.now, self.engine.probe(), self.view.outstanding)
 
     def early_probe(self) -> None:
         self._early_probe_due = False
         if self.stopped_at is None:
-            self.probe_into_view(self.loop.now, self.engine.probe())
+            self.probe_now()
             self.lb.dispatch()
 
     # -- requests ----------------------------------------------------------------------
     def push(self, req: SimRequest) -> None:
+        """The scheduler placed `req` here (and counted the push on the view): run it."""
         now = self.loop.now
-        tokens = push_tokens(req.facts, self.engine.profile.decode_reserve)
-        self.view.outstanding += 1
-        self.view.pushed_since_probe += 1
-        self.view.pushed_tokens_since_probe += tokens
-        self.push_times.append((now, tokens))
         if not self._early_probe_due:
             self._early_probe_due = True
             self.loop.after(self.lb.cfg.early_reprobe_s, self.early_probe)
@@ -207,20 +215,22 @@ class SimReplica:
             req.finished_at = now
             self.view.outstanding -= 1
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
-        self.probe_into_view(now, self.engine.probe())  # the daemon re-probes on completion
+        self.probe_now()  # the daemon re-probes on completion
         self._maybe_stop()
         self.lb.dispatch()
 
 
 class SimLB:
-    """One region's LB."""
+    """One region's LB: the daemon's scheduler, called in virtual time."""
 
     def __init__(self, region: str, loop: EventLoop, cfg: LBConfig, metrics: Metrics, *,
                  seed: int, phase: float = 0.0, on_done: Callable[[SimRequest], None] | None = None):
         self.region, self.loop, self.cfg, self.metrics = region, loop, cfg, metrics
         self.policy = make_policy(cfg.policy, seed=seed)
-        self.queue = make_queue(cfg.queue)
-        self.mode = Pushing(cfg.pushing)
+        self.scheduler = Scheduler(SchedulerConfig(pushing=cfg.pushing, max_outstanding=cfg.max_outstanding,
+                                                   push_credit=cfg.push_credit),
+                                   self.policy, make_queue(cfg.queue))
+        self.peer_router = PeerRouter("nearest", seed=seed)
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}
         self.by_model: dict[str, dict[str, SimReplica]] = {}  # model → its replicas here
@@ -231,10 +241,10 @@ class SimLB:
         self._last_refresh_tick = -math.inf
         self.in_flight = 0  # forwarded to us by peers, not arrived yet
         self.on_done = on_done
-        # per model: requests and prompt tokens in this LB's queue (kept as they come and go,
-        # so neither a dispatch pass nor the autoscaler walks a backlog to count it)
-        self.queued: dict[str, int] = {}
-        self.queued_tokens: dict[str, int] = {}
+
+    @property
+    def queue(self):
+        return self.scheduler.queue
 
     # -- probes ------------------------------------------------------------------------
     def tick_at(self, t: float) -> float:
@@ -250,7 +260,7 @@ class SimLB:
         self._last_refresh_tick = tick
         for rep in self.replicas.values():
             if rep.view.last_probe_at < tick and rep.ready:
-                rep.probe_into_view(tick, rep.state_at_tick(tick))
+                rep.probe_into_view(tick, *rep.state_at_tick(tick))
 
     def _probe_tick(self) -> None:
         self._tick_scheduled = False
@@ -269,9 +279,7 @@ class SimLB:
     def add_replica(self, rep: SimReplica) -> None:
         self.replicas[rep.id] = rep
         self.by_model.setdefault(rep.model, {})[rep.id] = rep
-        register = getattr(self.policy, "register", None)
-        if register:
-            register(rep.id)
+        self.scheduler.register(rep.id)
         if rep.ready_at > self.loop.now:
             rep.view.healthy = False
             self.loop.at(rep.ready_at, rep.became_ready)
@@ -282,106 +290,40 @@ class SimLB:
     def replica_stopped(self, rep: SimReplica) -> None:
         self.replicas.pop(rep.id, None)
         self.by_model.get(rep.model, {}).pop(rep.id, None)
-        self.policy.forget(rep.id)
+        self.scheduler.forget(rep.id)
 
     # -- requests ----------------------------------------------------------------------
     def available(self, view: ReplicaView) -> bool:
-        c = self.cfg
-        return is_available(view, self.mode, max_outstanding=c.max_outstanding, push_credit=c.push_credit)
+        return self.scheduler.available(view)
 
     def arrive(self, req: SimRequest) -> None:
-        now = self.loop.now
         self._seq += 1
-        self.queue.push(QueueEntry(facts=req.facts, enqueued_at=now, seq=self._seq, payload=req))
-        model = req.model
-        self.queued[model] = self.queued.get(model, 0) + 1
-        self.queued_tokens[model] = self.queued_tokens.get(model, 0) + len(req.prompt)
+        self.scheduler.admit(QueueEntry(facts=req.facts, enqueued_at=self.loop.now, seq=self._seq, payload=req),
+                             self.loop.now)  # unbounded here: never rejected
         self.dispatch()
 
-    def _dequeue(self, entry: QueueEntry) -> None:
-        self.queue.remove(entry)
-        req: SimRequest = entry.payload
-        self.queued[req.model] -= 1
-        self.queued_tokens[req.model] -= len(req.prompt)
-
-    def _in_order(self, now: float):
-        """`queue.iter_in_order(now)`, but head by head (`peek`) while the pass keeps taking
-        the head: an order's full walk snapshots the whole queue, and a pass that places one
-        request off a backlog of thousands (every completion under overload) would then cost
-        O(backlog). Only once a head stays queued does the walk go on past it."""
-        queue = self.queue
-        while True:
-            head = queue.peek(now)
-            if head is None:
-                return
-            yield head
-            if head in queue:
-                break
-        walk = queue.iter_in_order(now)
-        for entry in walk:
-            if entry is not head:
-                yield entry
-                break
-        yield from walk
-
-    def _may_place(self, now: float) -> bool:
-        """Whether a pass could place or forward anything: some queued model has an
-        available replica here, or a peer could take forwarded work."""
-        if self.cfg.forward and any(peer.has_room() for _, peer in self.peers):
-            return True
-        return any(n and any(r.ready and self.available(r.view) for r in self.by_model.get(m, {}).values())
-                   for m, n in self.queued.items())
-
     def dispatch(self) -> None:
-        """The daemon's dispatch pass, then forwarding of what nothing local can take."""
-        if not len(self.queue):
+        """A scheduler pass; then push what it placed, forward what it sent to a peer."""
+        if not len(self.scheduler):
             return
         now = self.loop.now
         self.refresh(now)
-        if not self._may_place(now):  # the pass would place nothing: skip walking the backlog
-            self._await_tick()
-            return
-        free: dict[str, list[SimReplica]] = {}  # per model, built when a request asks for it
-        blocked: set[str] = set()
-        waiting = sum(1 for n in self.queued.values() if n)
-        for entry in self._in_order(now):
-            facts = entry.facts
-            model = facts.model
-            if model in blocked:
-                continue
-            reps = free.get(model)
-            if reps is None:
-                reps = free[model] = [r for r in self.by_model.get(model, {}).values()
-                                      if r.ready and self.available(r.view)]
-            target = self.policy.choose(facts, [r.view for r in reps], now) if reps else None
-            if target is None:
-                if not self._forward(entry, now):
-                    blocked.add(model)
-                    if len(blocked) >= waiting:
-                        break  # nothing behind can be placed either: skip the long backlog
-                continue
-            rep = self.replicas[target]
-            self._dequeue(entry)
-            self.policy.observe(facts, target, now)
-            rep.push(entry.payload)
-            if not self.available(rep.view):
-                reps.remove(rep)
-        if len(self.queue):
+        for p in self.scheduler.schedule(now, self.replicas.values(), self._peer_set(now)):
+            if p.kind is Kind.REPLICA:
+                p.target.push(p.entry.payload)
+            elif p.kind is Kind.PEER:
+                self._forward(p.entry.payload, *p.target)
+        if len(self.scheduler):
             self._await_tick()
 
-    def _forward(self, entry: QueueEntry, now: float) -> bool:
-        req: SimRequest = entry.payload
-        if not self.cfg.forward or entry.facts.hops or not self.peers:
-            return False
-        for latency, peer in self.peers:
-            if peer.can_take(req.model, now):
-                self._dequeue(entry)
-                req.extra_latency += 2 * latency
-                req.facts = RequestFacts(**{**req.facts.__dict__, "hops": 1})
-                peer.in_flight += 1
-                self.loop.after(latency, peer.arrive_forwarded, req)
-                return True
-        return False
+    def _peer_set(self, now: float) -> PeerSet | None:
+        return _SimPeers(self, now) if self.cfg.forward and self.peers else None
+
+    def _forward(self, req: SimRequest, latency: float, peer: "SimLB") -> None:
+        req.extra_latency += 2 * latency
+        req.facts = replace(req.facts, hops=1)
+        peer.in_flight += 1
+        self.loop.after(latency, peer.arrive_forwarded, req)
 
     def arrive_forwarded(self, req: SimRequest) -> None:
         self.in_flight -= 1
@@ -390,19 +332,51 @@ class SimLB:
     def has_room(self) -> bool:
         """A peer's queue is short enough to take forwarded work (requests already forwarded
         here and still on the wire count as queued)."""
-        return len(self.queue) + self.in_flight <= self.cfg.peer_queue_tau
-
-    def can_take(self, model: str, now: float) -> bool:
-        """SkyWalker's peer availability: ≥1 available replica for the model, queue ≤ τ."""
-        if not self.has_room():
-            return False
-        self.refresh(now)
-        return any(r.ready and self.available(r.view) for r in self.by_model.get(model, {}).values())
+        return len(self.scheduler) + self.in_flight <= self.cfg.peer_queue_tau
 
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
+        self.scheduler.completed(req.facts, prompt, output)
+        if req.served_region != req.region:  # forwarded: the client's LB charged its tenant too
+            for _, peer in self.peers:
+                if peer.region == req.region:
+                    peer.scheduler.completed(req.facts, prompt, output)
         ttft = req.first_token - req.arrival + req.extra_latency
         e2e = now - req.arrival + req.extra_latency
         self.metrics.completion(now + req.extra_latency / 2, ttft, e2e, prompt, cached, output,
                                 forwarded=req.extra_latency > 0, region=req.region)
         if self.on_done:
             self.on_done(req)
+
+
+class _SimPeers(PeerSet):
+    """The other regions' LBs as the daemon's peer probes would show them, fresh as of now.
+    Their statuses are built only when an entry has no local candidate (`targets`)."""
+
+    def __init__(self, lb: SimLB, now: float):
+        super().__init__((), lb.peer_router, tau=lb.cfg.peer_queue_tau, stale_s=math.inf)
+        self.lb, self.now, self._targets = lb, now, None
+
+    def open(self, now: float) -> bool:
+        if self._targets is not None:
+            return super().open(now)
+        return any(peer.has_room() for _, peer in self.lb.peers)
+
+    @property
+    def targets(self) -> list[PeerTarget]:
+        if self._targets is None:
+            self._targets = [self._status(latency, peer) for latency, peer in self.lb.peers]
+        return self._targets
+
+    @targets.setter
+    def targets(self, value) -> None:
+        pass  # built on first read
+
+    def _status(self, latency: float, peer: SimLB) -> PeerTarget:
+        now, here = self.now, self.lb.scheduler
+        peer.refresh(now)
+        free = {m: sum(1 for r in reps.values() if r.ready and peer.available(r.view))
+                for m, reps in peer.by_model.items() if here.waiting(m)}
+        status = PeerStatus(peer.region, healthy=True, queue_len=len(peer.scheduler) + peer.in_flight, free=free,
+                            models=frozenset(peer.by_model), rtt_s=2 * latency, last_ok_at=now)
+        view = ReplicaView(id=f"peer:{peer.region}", url="", engine="peer", region=peer.region, models=status.models)
+        return PeerTarget(PeerConfig(peer.region, "sim://" + peer.region), status, view, (latency, peer))

@@ -32,15 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import itertools
-from typing import Collection, Iterable, Iterator, Protocol
+from typing import Collection, Iterable, Iterator
 
-from lb.core.types import QueueEntry, RequestFacts
-
-
-class PrefixMemory(Protocol):
-    def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
-        """(matched blocks, prompt blocks, holders) of the longest prefix of `req` that a
-        target in `targets` holds."""
+from lb.core.types import PrefixMemory, QueueEntry, RequestFacts
 
 
 @dataclass(frozen=True)

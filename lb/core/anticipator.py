@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from lb.core.length_model import LengthModel
-from lb.core.types import ReplicaView, RequestFacts
+from lb.core.policies import PolicyBase
+from lb.core.types import Decision, ReplicaView, RequestFacts
 
 
 @dataclass
@@ -84,7 +85,7 @@ class ReplicaLoad:
         return tuple(v / self.capacity_tokens for v in self.lookahead_tokens(iterations))
 
 
-class LoadAwarePolicy:
+class LoadAwarePolicy(PolicyBase):
     """Route to the least anticipated load: queued prefill + decode + β·overflow (tokens)."""
 
     name = "load-aware"
@@ -92,6 +93,7 @@ class LoadAwarePolicy:
     def __init__(self, kv_capacity_tokens: int = 100_000, beta: float = 8.0, lookahead: int = 64,
                  length_model: LengthModel | None = None, capacities: dict[str, int] | None = None,
                  seed: int = 0, rng: random.Random | None = None):
+        super().__init__()
         self.default_capacity = kv_capacity_tokens
         self.capacities = dict(capacities or {})
         self.beta = beta
@@ -121,7 +123,9 @@ class LoadAwarePolicy:
             return None
         scored = [(self.score(req, c), c.id) for c in candidates]
         best = min(s for s, _ in scored)
-        return self.rng.choice([cid for s, cid in scored if s <= best + 1e-9])
+        target = self.rng.choice([cid for s, cid in scored if s <= best + 1e-9])
+        self.last = Decision(target, "anticipated")
+        return target
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         self.load(target_id).add(req, self.length_model.predict(req).expected)

@@ -178,11 +178,8 @@ class WSCQueue(_MembershipQueue):
         self.service.charge(entry.facts)
         return True
 
-    def pop(self, now: float) -> QueueEntry | None:
-        entry = self.peek(now)
-        if entry is not None:
-            self.dispatch(entry)
-        return entry
+    def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
+        self.service.complete(facts, input_tokens=input_tokens, output_tokens=output_tokens)
 
     def _user_key(self, user: str) -> tuple:
         # ties: the user with fewer calls running, then whose oldest waiting entry came first
@@ -227,8 +224,3 @@ def make_order(name: str, *, tiers: TierConfig | None = None, service: WeightedS
         return ORDERS[name](tiers=tiers, service=service, in_progress=in_progress)
     return QUEUE_ORDERS[name]()
 
-
-def dispatch(queue: QueueOrderBase, entry: QueueEntry) -> bool:
-    """Take `entry` out of any queue to run it (charges service where the order keeps it)."""
-    take = getattr(queue, "dispatch", None)
-    return take(entry) if take is not None else queue.remove(entry)

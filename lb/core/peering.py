@@ -203,7 +203,7 @@ class PeerRouter:
                            outstanding=st.in_flight, pushed_since_probe=st.forwarded_since_status)
 
     def register(self, region: str) -> None:
-        if isinstance(self.inner, ConsistentHash):
+        if self.inner is not None:
             self.inner.register(region)
 
     def choose(self, req: RequestFacts, candidates: Sequence[PeerStatus], now: float) -> str | None:

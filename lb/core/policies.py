@@ -18,7 +18,7 @@ from typing import Callable, Collection, Sequence
 
 from lb.core.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_NODES, PrefixTrie, request_chain
 from lb.core.ring import DEFAULT_VNODES, HashRing
-from lb.core.types import Policy, ReplicaView, RequestFacts
+from lb.core.types import Decision, Policy, PrefixMemory, ReplicaView, RequestFacts
 
 DEFAULT_POLICY = "prefix-trie"
 
@@ -35,14 +35,26 @@ def load(view: ReplicaView) -> int:
     return max(view.outstanding, view.pending + view.running + view.pushed_since_probe)
 
 
-@dataclass
-class Decision:
-    """Why the last `choose` chose what it did (for metrics and logs)."""
+class PolicyBase:
+    """No-op defaults for every hook of `lb.core.types.Policy`; a policy overrides what it uses."""
 
-    target: str | None
-    reason: str  # prefix | load | ring | round-robin | cache | imbalance | smallest-tree | none
-    matched_blocks: int = 0
-    total_blocks: int = 0
+    name = "base"
+
+    def __init__(self) -> None:
+        self.last = Decision(None, "none")
+
+    def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
+        pass
+
+    def register(self, target_id: str) -> None:
+        pass
+
+    def forget(self, target_id: str) -> None:
+        pass
+
+    @property
+    def prefix_memory(self) -> PrefixMemory | None:
+        return None
 
 
 def pick_best(candidates: Sequence[ReplicaView], scores: Sequence | Callable[[ReplicaView], object], rng: random.Random) -> ReplicaView | None:
@@ -115,10 +127,11 @@ class PrefixScorer(Part):
         return depth, len(chain), holders
 
 
-class ComposedPolicy:
+class ComposedPolicy(PolicyBase):
     """filters → scorers → random-tie picker."""
 
     def __init__(self, name: str, *, filters: Sequence[SampleFilter] = (), scorers: Sequence[Part], rng: random.Random, default_reason: str = "load"):
+        super().__init__()
         self.name = name
         self.filters = list(filters)
         self.scorers = list(scorers)
@@ -148,23 +161,20 @@ class ComposedPolicy:
         for part in (*self.filters, *self.scorers):
             part.forget(target_id)
 
-    def register(self, target_id: str) -> None:
-        """A target became known (available or not); only the ring cares."""
-
     @property
     def prefix_memory(self) -> PrefixScorer | None:
         """What cache-affine scheduling (lb.core.affinity) asks about prefixes, if this policy remembers them."""
         return next((s for s in self.scorers if isinstance(s, PrefixScorer)), None)
 
 
-class RoundRobin:
+class RoundRobin(PolicyBase):
     """Cycle through candidate ids in sorted order, resuming after the last one chosen."""
 
     name = "round-robin"
 
     def __init__(self, *, rng: random.Random):
+        super().__init__()
         self._last: str | None = None
-        self.last = Decision(None, "none")
 
     def choose(self, req: RequestFacts, candidates: Sequence[ReplicaView], now: float) -> str | None:
         ids = sorted(view.id for view in candidates)
@@ -179,17 +189,8 @@ class RoundRobin:
         self.last = Decision(target, "round-robin" if target else "none")
         return target
 
-    def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
-        pass
 
-    def forget(self, target_id: str) -> None:
-        pass
-
-    def register(self, target_id: str) -> None:
-        pass
-
-
-class ConsistentHash:
+class ConsistentHash(PolicyBase):
     """SkyWalker-CH: the request's affinity key (session, else user) picks a ring position;
     walk clockwise to the first available target. Every target ever seen stays on the ring
     until forgotten, so a target that is only briefly full keeps its keys."""
@@ -197,8 +198,8 @@ class ConsistentHash:
     name = "consistent-hash"
 
     def __init__(self, *, rng: random.Random, vnodes: int = DEFAULT_VNODES):
+        super().__init__()
         self.ring = HashRing(vnodes)
-        self.last = Decision(None, "none")
 
     def register(self, target_id: str) -> None:
         self.ring.add(target_id)
@@ -213,14 +214,11 @@ class ConsistentHash:
         self.last = Decision(target, "ring" if target else "none")
         return target
 
-    def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
-        pass
-
     def forget(self, target_id: str) -> None:
         self.ring.remove(target_id)
 
 
-class CacheAware:
+class CacheAware(PolicyBase):
     """SGLang Router's cache_aware policy, as a baseline inside the same daemon.
 
     If load is imbalanced (max - min > balance_abs and max > balance_rel * min, on the
@@ -245,6 +243,7 @@ class CacheAware:
         block_chars: int = DEFAULT_BLOCK_CHARS,
         isolate_tenants: bool = False,
     ):
+        super().__init__()
         self.rng = rng
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
@@ -252,7 +251,6 @@ class CacheAware:
         self.block_chars = block_chars
         self.isolate_tenants = isolate_tenants
         self.trie = PrefixTrie(max_nodes)
-        self.last = Decision(None, "none")
 
     def imbalanced(self, candidates: Sequence[ReplicaView]) -> bool:
         loads = [view.outstanding for view in candidates]
@@ -287,9 +285,6 @@ class CacheAware:
 
     def forget(self, target_id: str) -> None:
         self.trie.forget(target_id)
-
-    def register(self, target_id: str) -> None:
-        pass
 
 
 # SGLang Router's cache_threshold default, so prefix-trie and cache-aware differ only in

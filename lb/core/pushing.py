@@ -6,8 +6,6 @@ available, so requests wait where their order can still be chosen, not inside an
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 from lb.core.types import Pushing, ReplicaView, RequestFacts
 
 # SP-O's fixed cap, and SP-P's cap for servers that report no waiting queue. 32 sits inside
@@ -70,7 +68,8 @@ def is_available(
 ) -> bool:
     if not view.healthy or view.draining:
         return False
-    mode = Pushing(mode)
+    if mode.__class__ is not Pushing:
+        mode = Pushing(mode)
     if mode is Pushing.BLIND:
         return True
     if mode is Pushing.SP_OUTSTANDING or not view.reports_pending:
@@ -79,27 +78,43 @@ def is_available(
     return has_headroom(view, push_credit=push_credit, max_unseen=max_unseen)
 
 
-def available_for(
-    model: str,
-    views: Iterable[ReplicaView],
-    mode: Pushing | str,
-    *,
-    max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
-    push_credit: int = DEFAULT_PUSH_CREDIT,
-    max_unseen: int = DEFAULT_MAX_UNSEEN,
-) -> list[ReplicaView]:
-    """The targets a request for `model` may be pushed to now: the policy's candidates."""
-    mode = Pushing(mode)
-    return [
-        v
-        for v in views
-        if v.serves(model) and is_available(v, mode, max_outstanding=max_outstanding, push_credit=push_credit,
-                                                max_unseen=max_unseen)
-    ]
+# -- what the last probe has not seen (the estimate SP-P's headroom runs on) -----------------
+
+def record_push(view: ReplicaView, tokens: int, now: float) -> None:
+    """One request sent to `view` now; `tokens`: the KV it may take (`push_tokens`). It is
+    unseen by every probe until `settle_probe` says a probe's answer includes it."""
+    view.outstanding += 1
+    view.pushed_since_probe += 1
+    view.pushed_tokens_since_probe += tokens
+    log = view.push_log
+    log.append((now, tokens))
+    while len(log) > view.outstanding:  # only a push still in flight can be unseen: bounded
+        log.popleft()
 
 
-def needs_early_probe(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
-                      max_unseen: int = DEFAULT_MAX_UNSEEN) -> bool:
-    """SP-P has spent this replica's headroom: probe it now rather than at the next tick."""
-    return (view.reports_pending and view.pending == 0 and view.pushed_since_probe > 0
-            and not has_headroom(view, push_credit=push_credit, max_unseen=max_unseen))
+def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int, load_pending: int | None,
+                 load_running: int | None, early_reprobe_s: float) -> None:
+    """A probe that started at `started_at` answered: set the pushes (and their KV tokens)
+    its answer cannot include — the ones sent after it started, plus the ones still on the
+    wire. The engine's own count tells the latter: what we had in flight at the start that
+    it does not yet hold (running + waiting); without a running count, pushes younger than
+    `early_reprobe_s` are assumed still on the wire. Unseen pushes are the newest ones, so
+    their tokens are the newest tokens."""
+    log = view.push_log
+    while len(log) > view.outstanding:  # only a push still in flight can be unseen
+        log.popleft()
+    # The log is in push order, so the unseen pushes are a suffix of it: walk it from the end.
+    horizon = started_at - early_reprobe_s
+    after = wire = 0
+    for t, _ in reversed(log):
+        if t > started_at:
+            after += 1
+        elif t > horizon and load_running is None:
+            wire += 1
+        else:
+            break
+    if load_running is not None:
+        wire = max(0, outstanding_at_start - (load_pending or 0) - load_running)
+    unseen = after + wire
+    view.pushed_since_probe = unseen
+    view.pushed_tokens_since_probe = sum(log[i][1] for i in range(max(0, len(log) - unseen), len(log)))

@@ -19,11 +19,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from lb.core.types import QueueEntry
-
-
-class QueueFull(Exception):
-    """The bounded LB queue cannot take another entry: answer 429 with Retry-After."""
+from lb.core.types import QueueEntry, RequestFacts
 
 
 class QueueOrderBase:
@@ -56,19 +52,35 @@ class QueueOrderBase:
     def pop(self, now: float) -> QueueEntry | None:
         entry = self.peek(now)
         if entry is not None:
-            self.remove(entry)
+            self.dispatch(entry)
         return entry
 
+    def dispatch(self, entry: QueueEntry) -> bool:
+        """Take `entry` out to run it. Orders that keep service counters (WSC, VTC) charge
+        its tenant here; `remove` is for entries that leave without running."""
+        return self.remove(entry)
 
-def has_room(queue: QueueOrderBase, capacity: int | None) -> bool:
-    """Whether a bounded queue (None: unbounded) can take one more entry."""
-    return capacity is None or len(queue) < capacity
+    def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
+        """A request taken out earlier finished with this usage (WSC/VTC settle the charge)."""
 
-
-def push_bounded(queue: QueueOrderBase, entry: QueueEntry, capacity: int | None) -> None:
-    if not has_room(queue, capacity):
-        raise QueueFull(f"LB queue is full ({capacity} waiting)")
-    queue.push(entry)
+    def walk(self, now: float) -> Iterator[QueueEntry]:
+        """`iter_in_order(now)`, but head by head (`peek`) while the caller keeps taking the
+        head: a full walk snapshots the whole queue, and a pass that places one request off
+        a backlog of thousands (every completion under overload) would then cost O(backlog).
+        Only once a head stays queued does the walk go on past it."""
+        while True:
+            head = self.peek(now)
+            if head is None:
+                return
+            yield head
+            if head in self:
+                break
+        rest = self.iter_in_order(now)
+        for entry in rest:
+            if entry is not head:
+                yield entry
+                break
+        yield from rest
 
 
 class FCFSQueue(QueueOrderBase):

@@ -5,9 +5,10 @@ time) fill these views and pass `now` explicitly, so one policy runs in both.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 
 class Pushing(str, Enum):
@@ -55,6 +56,9 @@ class ReplicaView:
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)
     reports_pending: bool = True
     draining: bool = False  # removed by admin/reload: finish in-flight, take nothing new
+    # (when, KV tokens) of recent pushes still in flight: what a probe may not have seen yet
+    # (lb.core.pushing.record_push / settle_probe keep it; bounded by `outstanding`).
+    push_log: deque = field(default_factory=deque, repr=False, compare=False)
 
     def serves(self, model: str) -> bool:
         """A request naming no model (SGLang's /generate) takes any replica's own model."""
@@ -90,32 +94,46 @@ class RequestFacts:
         return self.session or self.user or self.request_id
 
 
+@dataclass
+class Decision:
+    """Why a policy chose what it chose: the explanation a placement carries into the
+    access log and the `reason` metrics label (a small fixed set of words, bounded)."""
+
+    target: str | None
+    reason: str  # prefix | load | ring | round-robin | cache | imbalance | smallest-tree | anticipated | none
+    matched_blocks: int = 0
+    total_blocks: int = 0
+
+
+class PrefixMemory(Protocol):
+    def affinity(self, req: "RequestFacts", targets: Collection[str]) -> tuple[int, int, list[str]]:
+        """(matched blocks, prompt blocks, holders) of the longest prefix of `req` that a
+        target in `targets` holds."""
+
+
 class Policy(Protocol):
-    """Chooses among candidates that are already known to be available."""
+    """Chooses among candidates that are already known to be available (the scheduler's
+    filter chain ran first). Every hook the scheduler calls is declared here; subclass
+    `lb.core.policies.PolicyBase` for the no-op defaults."""
 
     name: str
+    last: Decision  # why the last `choose` chose what it did
 
     def choose(self, req: RequestFacts, candidates: Sequence[ReplicaView], now: float) -> str | None: ...
 
-    def observe(self, req: RequestFacts, target_id: str, now: float) -> None: ...
+    def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
+        """`req` was placed on `target_id` (trie inserts, load tracking)."""
 
-    def forget(self, target_id: str) -> None: ...
+    def register(self, target_id: str) -> None:
+        """A target became known, available or not (the consistent-hash ring keeps it)."""
 
+    def forget(self, target_id: str) -> None:
+        """A target is gone for good."""
 
-class QueueOrder(Protocol):
-    """The LB queue: its order is the schedule."""
-
-    def push(self, entry: "QueueEntry") -> None: ...
-
-    def pop(self, now: float) -> "QueueEntry | None": ...
-
-    def peek(self, now: float) -> "QueueEntry | None": ...
-
-    def remove(self, entry: "QueueEntry") -> bool: ...
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self): ...
+    @property
+    def prefix_memory(self) -> PrefixMemory | None:
+        """What cache-affine queue scheduling (lb.core.affinity) asks about prefixes; None
+        for a policy that remembers none."""
 
 
 @dataclass(eq=False)
@@ -126,3 +144,8 @@ class QueueEntry:
     enqueued_at: float
     seq: int = 0
     payload: object = None  # the daemon's handle (future, body bytes); opaque to core
+    # Per-request limits on where it may go: only targets `accepts` says yes to (e.g. the
+    # /generate route needs an SGLang replica), and not the targets in `exclude` (they
+    # already failed this request) unless no other healthy one serves it.
+    accepts: Callable[[ReplicaView], bool] | None = None
+    exclude: frozenset[str] = frozenset()

@@ -1,24 +1,19 @@
-"""The LB queue and the event-driven dispatch loop (selective pushing).
+"""The LB queue's asyncio side: wake on events, ask the scheduler, resolve futures.
 
-Requests wait here, not inside an engine, until the pushing mode says a replica can admit
-them. A pass over the queue runs on every event that can make a request placeable: an
-arrival, a probe result, a completion, a replica added or removed. Never on a timer.
-
-Within a pass the queue is walked in its order and each entry goes to the replica the policy
-picks among those available *for that entry*; an entry nothing can take is skipped, so a head
-waiting for a busy model never blocks requests for another (no head-of-line blocking).
+Every placement decision is `lb.core.scheduler.Scheduler`'s (the simulator runs the same
+one in virtual time). This module only turns events into scheduler passes — an arrival, a
+probe result, a completion, a replica added or removed; never a timer — and placements
+into answers: a future resolved with the replica (or peer) the request goes to, or an
+`LBError` for a rejected one.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from lb.core.affinity import AffinityScheduler
-from lb.core.pushing import is_available, push_tokens
-from lb.core.orders import dispatch as take_for_dispatch
+from lb.core.scheduler import QUEUE_FULL, SHUTTING_DOWN, Kind, Placement, Scheduler, SchedulerConfig
 from lb.core.types import Policy, QueueEntry, ReplicaView, RequestFacts
 from lb.daemon.config import Config
 from lb.daemon.errors import LBError
@@ -26,27 +21,23 @@ from lb.daemon.fairness import Fairness
 from lb.daemon.registry import Registry, Replica
 
 
-@dataclass(eq=False)
-class Waiter:
-    future: asyncio.Future
-    accepts: Callable[[ReplicaView], bool]  # e.g. /generate only on SGLang replicas
-    exclude: frozenset[str] = field(default_factory=frozenset)  # replicas that already failed it
+def scheduler_config(cfg: Config) -> SchedulerConfig:
+    p = cfg.pushing
+    return SchedulerConfig(pushing=p.mode, max_outstanding=p.max_outstanding, push_credit=p.push_credit,
+                           max_unseen=p.max_unseen, affinity=cfg.affinity, max_queue=cfg.queue.max_len)
 
 
 class Dispatcher:
     def __init__(self, registry: Registry, cfg: Config, policy: Policy, metrics=None):
         self.registry = registry
-        self.cfg = cfg
+        self._cfg = cfg
         self.policy = policy
         self.metrics = metrics
         self.fairness = Fairness(cfg)
-        self.queue = self.fairness.make_queue()
-        # which waiting request a freed replica gets, and who waits for its prefix holder
-        self.affinity = AffinityScheduler(cfg.affinity, getattr(policy, "prefix_memory", None))
+        self.scheduler = Scheduler(scheduler_config(cfg), policy, self.fairness.make_queue())
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._closed = False
         # Capacity hooks (lb/daemon/capacity.py), off the decision itself:
         # on_dispatch(facts, replica, queue wait s, now), on_progress(request id, tokens so far, now),
         # on_complete(facts, replica, proxy Outcome, now) after each attempt — the latter two called by the proxy,
@@ -57,13 +48,25 @@ class Dispatcher:
         # Cross-region peering (lb/daemon/peers.py): offered what no local replica can take.
         self.overflow = None
         registry.on_change(self.wake)
-        registry.on_add(lambda rep: getattr(policy, "register", lambda _id: None)(rep.id))
-        registry.on_gone(lambda rep: policy.forget(rep.id))
+        registry.on_add(lambda rep: self.scheduler.register(rep.id))
+        registry.on_gone(lambda rep: self.scheduler.forget(rep.id))
+
+    @property
+    def queue(self):
+        return self.scheduler.queue
 
     def available(self, view: ReplicaView) -> bool:
-        p = self.cfg.pushing
-        return is_available(view, p.mode, max_outstanding=p.max_outstanding, push_credit=p.push_credit,
-                            max_unseen=p.max_unseen)
+        return self.scheduler.available(view)
+
+    @property
+    def cfg(self) -> Config:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:
+        """A reload (SIGHUP) changed [pushing] or [queue]: the next pass decides on the new values."""
+        self._cfg = cfg
+        self.scheduler.reconfigure(scheduler_config(cfg))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -71,12 +74,10 @@ class Dispatcher:
 
     async def close(self) -> None:
         """Fail whatever still waits: every accepted request ends with an answer."""
-        self._closed = True
-        for entry in list(self.queue.iter_in_order(time.monotonic())):
-            self.queue.remove(entry)
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(
-                    LBError(503, "the load balancer is shutting down", code="shutting_down", retry_after=1))
+        for placement in self.scheduler.close():
+            fut = placement.entry.payload
+            if not fut.done():
+                fut.set_exception(self._error(placement))
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -97,35 +98,31 @@ class Dispatcher:
         `acquire` of that request, so a retry after a replica failure keeps its place."""
         return time.monotonic(), next(self._seq)
 
-    async def acquire(self, facts: RequestFacts, accepts: Callable[[ReplicaView], bool],
+    async def acquire(self, facts: RequestFacts, accepts: Callable[[ReplicaView], bool] | None = None,
                       exclude: frozenset[str] = frozenset(),
                       ticket: tuple[float, int] | None = None) -> tuple[Replica, float]:
         """Wait in the LB queue until a replica is chosen; returns it and the queue wait.
 
         The caller must `registry.completed(replica)` when done with it.
         """
-        if self._closed:
-            raise LBError(503, "the load balancer is shutting down", code="shutting_down", retry_after=1)
-        if len(self.queue) >= self.cfg.queue.max_len:
-            raise LBError(429, f"the LB queue is full ({self.cfg.queue.max_len} waiting); retry later",
-                          code="queue_full", retry_after=self.cfg.queue.retry_after_s)
-        loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), accepts, exclude)
         now = time.monotonic()
         enqueued_at, seq = ticket or (now, next(self._seq))
-        entry = QueueEntry(facts=facts, enqueued_at=enqueued_at, seq=seq, payload=waiter)
-        self.queue.push(entry)
+        fut = asyncio.get_running_loop().create_future()
+        entry = QueueEntry(facts=facts, enqueued_at=enqueued_at, seq=seq, payload=fut, accepts=accepts,
+                           exclude=exclude)
+        rejected = self.scheduler.admit(entry, now)
+        if rejected is not None:
+            raise self._error(rejected)
         self.dispatch_pass()  # the common case, a free replica, is placed without a loop turn
-        if waiter.future.done():  # ...and returned without one (wait_for would add a turn)
-            return waiter.future.result(), time.monotonic() - now
+        if fut.done():  # ...and returned without one (wait_for would add a turn)
+            return fut.result(), time.monotonic() - now
         try:
-            rep = await asyncio.wait_for(asyncio.shield(waiter.future), self.cfg.queue.timeout_s)
+            rep = await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
         except (asyncio.CancelledError, TimeoutError) as e:
-            fut = waiter.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.registry.completed(fut.result())  # placed in the same instant; give it back
             else:
-                self.queue.remove(entry)
+                self.scheduler.withdraw(entry)
                 fut.cancel()
             self._gauge()
             if isinstance(e, TimeoutError):
@@ -134,69 +131,46 @@ class Dispatcher:
             raise
         return rep, time.monotonic() - now
 
-    # -- the decision ----------------------------------------------------------------------
+    def _error(self, placement: Placement) -> LBError:
+        """A rejected placement as the client's answer: the one place its reason gets a status."""
+        if placement.reason == QUEUE_FULL:
+            return LBError(429, f"the LB queue is full ({self.cfg.queue.max_len} waiting); retry later",
+                           code="queue_full", retry_after=self.cfg.queue.retry_after_s)
+        assert placement.reason == SHUTTING_DOWN, placement.reason
+        return LBError(503, "the load balancer is shutting down", code="shutting_down", retry_after=1)
+
+    # -- placements ----------------------------------------------------------------------------
     def dispatch_pass(self) -> None:
-        if not len(self.queue):
-            return
-        free = [r for r in self.registry.active() if self.available(r.view) and r.breaker.allows(time.monotonic())]
         now = time.monotonic()
-        peers_open = self.overflow is not None and self.overflow.open(now)
-        live = [r.view for r in self.registry.active() if r.view.healthy]  # free or not: holders worth a wait
-        for entry in self.affinity.order(self.queue.iter_in_order(now), now, {r.id for r in free}):
-            if not free and not peers_open:
-                break
-            waiter: Waiter = entry.payload
-            if waiter.future.done():  # its client left between events
-                self.queue.remove(entry)
+        peers = self.overflow.peer_set if self.overflow is not None else None
+        for p in self.scheduler.schedule(now, self.registry.active(), peers):
+            if p.kind is Kind.HOLD:
+                if p.residency_blocked:
+                    self.overflow.residency_refused(p.entry.facts, p.residency_blocked)
                 continue
-            facts = entry.facts
-            cands = [r.view for r in free if r.view.serves(facts.model) and waiter.accepts(r.view)]
-            if waiter.exclude:
-                cands = self._honour_exclusion(cands, facts, waiter)
-            if not cands:
-                peer = self.overflow.place(facts, waiter, now) if peers_open else None
-                if peer is not None:  # SkyWalker Algorithm 1: no local replica, an available peer
-                    take_for_dispatch(self.queue, entry)
-                    self.fairness.dispatched(facts, now)
-                    waiter.future.set_result(peer)
-                continue
-            if self.affinity.hold(entry, now, {v.id for v in cands},
-                                  {v.id for v in live if v.serves(facts.model) and waiter.accepts(v)}):
-                continue  # its prefix holder is busy: worth a short wait (lb.core.affinity)
-            target = self.policy.choose(facts, cands, now)
-            rep = self.registry.get(target) if target else None
-            if rep is None:
-                continue
-            take_for_dispatch(self.queue, entry)  # WSC/VTC charge the tenant here
+            rep: Replica = p.target
+            rep.reprobe.set()  # a probe soon tells whether the replica admitted it or queued it
+            facts = p.entry.facts
             self.fairness.dispatched(facts, now)
-            self.registry.pushed(rep, push_tokens(facts))
-            self.policy.observe(facts, rep.id, now)
-            self._record(rep, now - entry.enqueued_at)
-            for fn in self.on_dispatch:
-                fn(facts, rep, now - entry.enqueued_at, now)
-            waiter.future.set_result(rep)
-            if not self.available(rep.view):
-                free.remove(rep)
+            if p.kind is Kind.REPLICA:
+                self._record(p)
+                for fn in self.on_dispatch:
+                    fn(facts, rep, p.waited, now)
+            fut: asyncio.Future = p.entry.payload
+            if fut.done():  # its client left in the same instant: give the slot back
+                self.registry.completed(rep)
+            else:
+                fut.set_result(rep)
         self._gauge()
 
-    def _honour_exclusion(self, cands: list[ReplicaView], facts: RequestFacts, waiter: Waiter) -> list[ReplicaView]:
-        """Prefer replicas that have not failed this request; if every healthy one has, any."""
-        fresh = [v for v in cands if v.id not in waiter.exclude]
-        if fresh:
-            return fresh
-        others_exist = any(r.view.healthy and r.id not in waiter.exclude and r.view.serves(facts.model)
-                           and waiter.accepts(r.view) for r in self.registry.active())
-        return [] if others_exist else cands
-
-    def _record(self, rep: Replica, waited: float) -> None:
+    def _record(self, p: Placement) -> None:
         if self.metrics is None:
             return
-        self.metrics.queue_wait.observe(waited)
-        self.metrics.decisions.labels(self.policy.name, rep.id).inc()
-        last = getattr(self.policy, "last", None)
-        if last is not None and getattr(last, "total_blocks", 0):
-            self.metrics.prefix_match.observe(last.matched_blocks)
+        self.metrics.queue_wait.observe(p.waited)
+        self.metrics.decisions.labels(self.policy.name, p.target_id).inc()
+        if p.total_blocks:
+            self.metrics.prefix_match.observe(p.matched_blocks)
 
     def _gauge(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue_length.set(len(self.queue))
+            self.metrics.queue_length.set(len(self.scheduler))

@@ -1,8 +1,8 @@
 """Peer load balancers: status endpoint, 100 ms peer probes, forwarding hooks, failover.
 
 Each peer is a `Replica` whose view has `engine="peer"`: the dispatcher hands it to the
-proxy like any replica when no local one can take a request (`Peers.place`, SkyWalker
-Algorithm 1 in `lb.core.peering.decide`), so forwarding reuses the streaming proxy as is —
+proxy like any replica when no local one can take a request (SkyWalker
+Algorithm 1 in `lb.core.peering.decide`, called by `lb.core.scheduler`), so forwarding reuses the streaming proxy as is —
 bytes flow replica → remote LB → this LB → client as they come, a failure before the first
 byte retries locally or on another peer, and a client that leaves closes both hops.
 
@@ -34,7 +34,8 @@ from prometheus_client.core import GaugeMetricFamily
 from lb.core.facts import H_APP, H_FINAL_CALL, H_HOP, H_INTERACTION_ID, H_INTERACTION_STAGE, H_RESIDENCY, H_SESSION, H_TIER, H_USER
 from lb.core.health import HealthTracker
 from lb.core.peer_auth import STREAMED, Nonces, PeerAuthError, body_hash, check_timestamp, signature
-from lb.core.peering import PeerConfig, PeerRouter, PeerStatus, adoption_action, decide, peer_available
+from lb.core.peering import PeerConfig, PeerRouter, PeerStatus, adoption_action, peer_available
+from lb.core.scheduler import PeerSet, PeerTarget
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.config import Config, ReplicaConfig
 from lb.daemon.errors import LBError
@@ -113,6 +114,9 @@ class Peers:
         self.router = PeerRouter(self.pc.policy, seed=self.pc.seed)
         self.links: dict[str, PeerLink] = {}
         self.nonces = Nonces(self.pc.max_clock_skew_s, self.pc.max_nonces)  # replays refused
+        # what the scheduler offers work to (lb.core.scheduler.PeerSet), filled at start()
+        self.peer_set = PeerSet([], self.router, tau=self.pc.tau,
+                                stale_s=self.pc.stale_intervals * self.pc.probe_interval_s)
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
         self._blocked_seen: OrderedDict[str, None] = OrderedDict()  # count a blocked request once
@@ -138,6 +142,7 @@ class Peers:
         for pcfg in self.cfg.peers:
             link = PeerLink(pcfg, PeerStatus(pcfg.region), self._target(pcfg))
             self.links[pcfg.region] = link
+            self.peer_set.targets = [*self.peer_set.targets, PeerTarget(pcfg, link.status, link.target.view, link.target)]
             self.router.register(pcfg.region)
             self.tasks.append(asyncio.get_running_loop().create_task(self._probe_loop(link), name=f"peer:{pcfg.region}"))
 
@@ -163,36 +168,15 @@ class Peers:
         return Replica(cfg=ReplicaConfig(url=pcfg.url, id=rid), view=view, health=health, session=session)
 
     # -- the dispatcher's side ---------------------------------------------------------------
-    def _stale_s(self) -> float:
-        return self.pc.stale_intervals * self.pc.probe_interval_s
-
-    def open(self, now: float) -> bool:
-        """Could any peer take a request now? (cheap: lets a full LB skip walking its queue)."""
-        return any(link.target.view.healthy and peer_available(link.status, "", tau=self.pc.tau, now=now,
-                                                               stale_s=self._stale_s())
-                   for link in self.links.values())
-
-    def place(self, facts: RequestFacts, waiter, now: float) -> Replica | None:
-        """No local replica can take `facts`: the peer it goes to (already counted as pushed), or None."""
-        links = [link for link in self.links.values() if link.target.view.healthy and waiter.accepts(link.target.view)]
-        for link in links:
-            link.status.in_flight = link.target.view.outstanding
-        exclude = frozenset(link.cfg.region for link in links if link.target.id in waiter.exclude)
-        d = decide(facts, local_available=False, peers=[(link.cfg, link.status) for link in links],
-                   router=self.router, tau=self.pc.tau, now=now, stale_s=self._stale_s(), exclude=exclude)
-        if d.residency_blocked and facts.request_id not in self._blocked_seen:
-            self._blocked_seen[facts.request_id] = None
-            if len(self._blocked_seen) > 10_000:
-                self._blocked_seen.popitem(last=False)
-            for region in d.residency_blocked:
-                self.residency_blocked.labels(region, facts.residency or "").inc()
-        if d.kind != "peer":
-            return None
-        link = self.links[d.region]
-        link.status.forwarded_since_status += 1
-        self.registry.pushed(link.target)
-        self.router.observe(facts, link.cfg.region, now)
-        return link.target
+    def residency_refused(self, facts: RequestFacts, regions: tuple[str, ...]) -> None:
+        """An available peer was ruled out by the request's residency tag (counted once a request)."""
+        if facts.request_id in self._blocked_seen:
+            return
+        self._blocked_seen[facts.request_id] = None
+        if len(self._blocked_seen) > 10_000:
+            self._blocked_seen.popitem(last=False)
+        for region in regions:
+            self.residency_blocked.labels(region, facts.residency or "").inc()
 
     # -- the proxy's side ------------------------------------------------------------------
     def inbound(self, request: web.Request, facts: RequestFacts, body=b"") -> RequestFacts:
@@ -358,7 +342,7 @@ class _PeerCollector:
         now = time.monotonic()
         for region, link in p.links.items():
             st = link.status
-            ok = link.target.view.healthy and peer_available(st, "", tau=p.pc.tau, now=now, stale_s=p._stale_s())
+            ok = link.target.view.healthy and peer_available(st, "", tau=p.pc.tau, now=now, stale_s=p.peer_set.stale_s)
             fams["available"].add_metric([region], 1.0 if ok else 0.0)
             fams["healthy"].add_metric([region], 1.0 if st.healthy else 0.0)
             fams["queue"].add_metric([region], st.queue_len)

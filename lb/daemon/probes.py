@@ -21,6 +21,7 @@ import orjson
 
 from lb.core import loadparse
 from lb.core.loadparse import Load
+from lb.core.pushing import settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 
@@ -153,7 +154,8 @@ class Prober:
                 view.kv_free_tokens, view.max_running = load.kv_free_tokens, load.max_running
             else:
                 view.kv_free_tokens = view.max_running = None
-            view.pushed_since_probe, view.pushed_tokens_since_probe = self._unseen(rep, t0, outstanding_at_start, load)
+            pending, running = (load.pending, load.running) if load is not None else (None, None)
+            settle_probe(view, t0, outstanding_at_start, pending, running, self.cfg.early_reprobe_s)
             for fn in self.on_probe:
                 fn(rep, load, t0)
         if view.healthy != was_healthy:
@@ -161,26 +163,6 @@ class Prober:
         if self.metrics:
             self.metrics.probe_done(rep.id, elapsed, ok)
         self.registry.changed()
-
-    def _unseen(self, rep: Replica, t0: float, outstanding_at_start: int, load: Load | None) -> tuple[int, int]:
-        """Pushes this probe's answer cannot include, and their KV tokens: the ones sent after
-        it started, plus the ones still on the wire. The engine's own count tells the latter:
-        what we had in flight at the start that it does not yet hold (running + waiting);
-        without a running count, pushes younger than `early_reprobe_s` are assumed still on
-        the wire. Unseen pushes are the newest ones, so their tokens are the newest tokens.
-        """
-        times = rep.push_times
-        while len(times) > rep.view.outstanding:  # only a push still in flight can be unseen
-            times.popleft()
-        after = sum(1 for t, _ in times if t > t0)
-        if load is not None and load.running is not None:
-            in_transit = max(0, outstanding_at_start - load.pending - load.running)
-        else:
-            horizon = t0 - self.cfg.early_reprobe_s
-            in_transit = sum(1 for t, _ in times if horizon < t <= t0)
-        unseen = after + in_transit
-        tokens = sum(times[i][1] for i in range(max(0, len(times) - unseen), len(times)))
-        return unseen, tokens
 
     async def _discover_models(self, rep: Replica) -> None:
         try:

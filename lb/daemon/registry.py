@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -30,8 +29,6 @@ class Replica:
     health: HealthTracker
     session: aiohttp.ClientSession  # keep-alive pool for requests (probes use their own)
     probe_endpoint: int = 0  # index of the load endpoint that last worked (adapters fall back)
-    # (when, KV tokens) of recent pushes; a probe counts as having seen only the settled ones.
-    push_times: deque = field(default_factory=deque)
     reprobe: asyncio.Event = field(default_factory=asyncio.Event)
     models_known: bool = False
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
@@ -85,10 +82,6 @@ class Registry:
     def knows_model(self, model: str) -> bool:
         """True if some active replica serves `model` (or has not told us its models yet)."""
         return any(r.view.serves(model) for r in self.active())
-
-    def has_healthy(self, model: str | None = None, engine: str | None = None) -> bool:
-        return any(r.view.healthy and (model is None or r.view.serves(model))
-                   and (engine is None or r.view.engine == engine) for r in self.active())
 
     # -- changes ---------------------------------------------------------------------------
     def add(self, rc: ReplicaConfig, source: str = "") -> Replica:
@@ -148,15 +141,7 @@ class Registry:
             self.add(wanted[key])
         return added, [r for r in removed if r not in added]
 
-    # -- request accounting (called by dispatch and proxy) ---------------------------------
-    def pushed(self, rep: Replica, tokens: int = 0) -> None:
-        """One request sent to `rep`; `tokens`: the KV it may take (lb.core.pushing.push_tokens)."""
-        rep.view.outstanding += 1
-        rep.view.pushed_since_probe += 1
-        rep.view.pushed_tokens_since_probe += tokens
-        rep.push_times.append((time.monotonic(), tokens))
-        rep.reprobe.set()  # a probe soon tells whether the replica admitted it or queued it
-
+    # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
     def completed(self, rep: Replica) -> None:
         rep.view.outstanding -= 1
         rep.reprobe.set()  # a finished request frees KV: its waiting ones may be admitted now

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.orders import (ORDERS, RECENTLY_EXPIRED, RELAXED_F, RELAXED_N, SEVERELY_EXPIRED, URGENT_F, URGENT_N,
-                            dispatch, dpa_class, make_order)
+                            dpa_class, make_order)
 from lb.core.queueing import QUEUE_ORDERS, FCFSQueue, make_queue
 from lb.core.tiers import TierConfig, TierTarget
 from lb.core.types import QueueEntry, RequestFacts, Tier
@@ -215,10 +215,10 @@ def test_dispatch_charges_like_pop_and_remove_does_not():
     q.push(e1)
     q.push(e2)
     assert q.remove(e1) and svc.get("u") == 0
-    assert dispatch(q, e2) and svc.get("u") == 7 and len(q) == 0
+    assert q.dispatch(e2) and svc.get("u") == 7 and len(q) == 0
     f = FCFSQueue()
     f.push(e1)
-    assert dispatch(f, e1) and len(f) == 0
+    assert f.dispatch(e1) and len(f) == 0
 
 
 ops = st.lists(st.one_of(
@@ -255,7 +255,7 @@ def test_orders_keep_every_entry_exactly_once_and_peek_is_the_head(name, ops):
                 out.append(e)
         elif queued:
             e = queued[op[1] % len(queued)]
-            assert (dispatch(q, e) if op[0] == "dispatch" else q.remove(e))
+            assert (q.dispatch(e) if op[0] == "dispatch" else q.remove(e))
             assert not q.remove(e) and e not in q
             queued.remove(e)
             out.append(e)

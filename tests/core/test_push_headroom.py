@@ -1,7 +1,7 @@
 """SP-P headroom derived from the last probe's KV room (lb.core.pushing.has_headroom)."""
 from __future__ import annotations
 
-from lb.core.pushing import has_headroom, is_available, needs_early_probe, push_tokens
+from lb.core.pushing import has_headroom, is_available, push_tokens
 from lb.core.types import ReplicaView, RequestFacts
 
 
@@ -25,7 +25,6 @@ def test_a_replica_with_room_takes_more_than_the_fixed_credit():
 def test_room_spent_means_wait_for_a_probe():
     v = view(kv_free_tokens=1000, pushed_since_probe=4, pushed_tokens_since_probe=1000)
     assert not has_headroom(v)
-    assert needs_early_probe(v)
     # the first push after a probe always goes when nothing waits: SP-P's own rule
     assert has_headroom(view(kv_free_tokens=0, pushed_since_probe=0))
 

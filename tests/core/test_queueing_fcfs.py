@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.queueing import QUEUE_ORDERS, FCFSQueue, QueueFull, StaticKeyQueue, has_room, make_queue, push_bounded
+from lb.core.queueing import QUEUE_ORDERS, FCFSQueue, StaticKeyQueue, make_queue
 from lb.core.types import QueueEntry, RequestFacts
 
 
@@ -67,16 +67,6 @@ def test_removed_entries_are_not_yielded_later_in_the_same_pass():
         seen.append(e)
         q.remove(es[2])
     assert seen == es[:2]
-
-
-def test_bounded_queue_refuses_past_capacity():
-    q = FCFSQueue()
-    push_bounded(q, entry(0), capacity=2)
-    push_bounded(q, entry(1), capacity=2)
-    assert not has_room(q, 2) and has_room(q, None)
-    with pytest.raises(QueueFull):
-        push_bounded(q, entry(2), capacity=2)
-    assert len(q) == 2
 
 
 def test_unknown_order_names_the_known_ones():

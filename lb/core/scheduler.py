@@ -1,0 +1,347 @@
+"""The scheduler: which queued request goes where, now. One for the daemon and the simulator.
+
+`lb.daemon.dispatch` (real time, asyncio) and `bench.sim.model` (virtual time) both own one
+`Scheduler` and call it on every event that can make a waiting request placeable (an
+arrival, a probe result, a completion, a replica added or removed). Nothing here reads a
+clock, sleeps or does I/O: `now` and the fleet are passed in, placements come out.
+
+Entry points (the whole interface)::
+
+    s = Scheduler(SchedulerConfig(...), policy, queue)      # queue: lb.core.queueing.make_queue
+    s.admit(entry, now)      -> Placement | None            # None: queued; else a REJECT
+    s.schedule(now, targets, peers=None) -> list[Placement] # one pass over the queue
+    s.withdraw(entry)        -> bool                        # left without running (timeout, client gone)
+    s.completed(facts, input_tokens, output_tokens)         # a placed request finished (WSC/VTC settle)
+    s.close()                -> list[Placement]             # REJECT every waiting entry
+    s.register(id) / s.forget(id)                           # the fleet changed
+    s.reconfigure(SchedulerConfig(...))                     # new limits (config reload)
+    s.available(view), len(s), s.waiting(model), s.waiting_tokens(model)
+
+`targets` are the local replicas, any objects with `.view` (`ReplicaView`) and `.breaker`
+(`lb.core.breaker.Breaker` or None); `peers` (optional) is a `PeerSet` of peer LBs seen as
+targets (`lb.core.peering`). A `Placement` says what to do with one entry — REPLICA (push
+it to `target`), PEER (forward it to the peer LB `target`), HOLD (leave it queued, and why),
+REJECT (answer it with the HTTP-free `reason`) — and carries its explanation: `reason` (the
+policy's, from a small fixed set: safe as a metrics label) and the prefix match.
+
+The scheduler applies the state changes a placement implies itself, so a caller only moves
+bytes: the entry leaves the queue through `queue.dispatch` (WSC/VTC charge the tenant
+there), the target's view counts the push (`lb.core.pushing.record_push`: outstanding,
+unseen pushes and their KV tokens), the policy observes it, a peer's status counts the
+forward. The caller still owns what is not a decision: resolving futures or starting the
+simulated request, asking for an early re-probe, metrics, the interaction ledger.
+
+One pass, in order (the filter chain first, then queue order, then the policy):
+1. *Eligible now* (per target, once per pass): healthy, not draining, breaker not open,
+   and the pushing mode says it takes one more (`lb.core.pushing.is_available`: SP-P's
+   headroom includes the pushes the last probe has not seen).
+2. Entries in queue order (`queue.walk`), reordered for cache affinity among the first
+   `affinity.window` (`lb.core.affinity`). Per entry: targets that serve its model, that
+   its `accepts` allows, not in its `exclude` (unless every healthy one is) — the
+   candidates. None: SkyWalker Algorithm 1 offers it to an available peer LB
+   (`lb.core.peering.decide`, never for a request that already crossed one LB), else it
+   stays queued; an entry nothing can take never blocks the ones behind it.
+3. Its busy prefix holder may be worth a short wait (`AffinityScheduler.hold`): HOLD.
+4. Else the policy chooses among the candidates (filters → scorers → picker,
+   `lb.core.policies`), the entry is taken out and the push recorded. A target the push
+   made unavailable leaves the pass's free set.
+
+Policies implement `lb.core.types.Policy` (subclass `lb.core.policies.PolicyBase` for no-op
+hooks): `choose`, `observe`, `register`, `forget`, `last` (a `Decision`) and `prefix_memory`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Protocol, Sequence
+
+from lb.core.affinity import AffinityConfig, AffinityScheduler
+from lb.core.breaker import Breaker
+from lb.core.peering import DEFAULT_TAU, PeerConfig, PeerRouter, PeerStatus, decide, peer_available
+from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
+                             is_available, push_tokens, record_push)
+from lb.core.queueing import QueueOrderBase
+from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
+
+
+class Kind(str, Enum):
+    REPLICA = "replica"  # push to a local replica
+    PEER = "peer"  # forward to a peer LB
+    HOLD = "hold"  # stays queued, on purpose (waits for its prefix holder; a peer its tag forbids)
+    REJECT = "reject"  # answer now with `reason`
+
+
+# Why a request is rejected (the daemon maps each to one HTTP answer in lb/daemon/errors.py).
+QUEUE_FULL = "queue_full"
+SHUTTING_DOWN = "shutting_down"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    pushing: str = Pushing.SP_PENDING.value
+    max_outstanding: int = DEFAULT_MAX_OUTSTANDING
+    push_credit: int = DEFAULT_PUSH_CREDIT
+    max_unseen: int = DEFAULT_MAX_UNSEEN
+    decode_reserve: int = DEFAULT_DECODE_RESERVE  # KV a push is held to take beyond its prompt
+    affinity: AffinityConfig = AffinityConfig()
+    max_queue: int | None = None  # admit() rejects beyond this many waiting; None: unbounded
+
+    def __post_init__(self) -> None:
+        Pushing(self.pushing)  # fails naming the value
+
+
+class Target(Protocol):
+    view: ReplicaView
+    breaker: Breaker | None
+
+
+@dataclass(eq=False)
+class PeerTarget:
+    """One peer LB as a target: its `[[peers]]` entry, what its status said, the view our
+    forwards count on, and the caller's handle for it (the daemon's proxy target)."""
+
+    config: PeerConfig
+    status: PeerStatus
+    view: ReplicaView
+    handle: object = None
+
+
+class PeerSet:
+    """The peer LBs the scheduler may forward to, and how (router, τ, staleness). `targets`
+    is read only when some entry has no local candidate, so a caller may build it lazily."""
+
+    def __init__(self, targets: Sequence[PeerTarget], router: PeerRouter, *, tau: int = DEFAULT_TAU,
+                 stale_s: float = 0.3):
+        self.targets = targets
+        self.router = router
+        self.tau = tau  # a peer whose queue is longer takes no forward
+        self.stale_s = stale_s  # a status older than this means unavailable
+
+    def open(self, now: float) -> bool:
+        """Could any peer take a request now? (lets a full LB skip walking its queue)"""
+        return any(p.view.healthy and peer_available(p.status, "", tau=self.tau, now=now, stale_s=self.stale_s)
+                   for p in self.targets)
+
+
+@dataclass(eq=False)
+class Placement:
+    entry: QueueEntry
+    kind: Kind
+    target: object = None  # REPLICA: the Target; PEER: the PeerTarget's handle
+    target_id: str | None = None
+    reason: str = ""  # REPLICA: the policy's reason; PEER: "peer"; HOLD/REJECT: why
+    waited: float = 0.0
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    residency_blocked: tuple[str, ...] = ()  # available peers the request's residency tag ruled out
+
+
+class _Pass:
+    """The free targets of one pass, per model, found when an entry first asks for the
+    model and shrinking as pushes fill them (a pass for one model looks at its replicas only)."""
+
+    def __init__(self, scheduler: "Scheduler", targets: list, now: float):
+        self.scheduler, self.targets, self.now = scheduler, targets, now
+        self.by_model: dict[str, list] = {}
+
+    def for_model(self, model: str) -> list:
+        cands = self.by_model.get(model)
+        if cands is None:
+            eligible, now = self.scheduler.eligible, self.now
+            cands = self.by_model[model] = [t for t in self.targets if t.view.serves(model) and eligible(t, now)]
+        return cands
+
+    def free_ids(self, models: Iterable[str]) -> set[str]:
+        """The free targets of the waiting models: where cache-affine ordering looks for prefixes."""
+        return {t.view.id for m in models for t in self.for_model(m)}
+
+    def drop(self, target) -> None:
+        for cands in self.by_model.values():
+            if target in cands:
+                cands.remove(target)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, policy: Policy, queue: QueueOrderBase):
+        self.policy = policy
+        self.queue = queue
+        self.affinity = AffinityScheduler(cfg.affinity, policy.prefix_memory)
+        self.reconfigure(cfg)
+        self.closed = False
+        self._waiting: dict[str, int] = {}  # model → entries queued (kept as they come and go)
+        self._waiting_tokens: dict[str, int] = {}  # model → their prompt tokens
+
+    def reconfigure(self, cfg: SchedulerConfig) -> None:
+        """New limits (a config reload); the queue, its order and the policy stay."""
+        self.cfg = cfg
+        self.mode = Pushing(cfg.pushing)
+        self.affinity.cfg = cfg.affinity
+
+    # -- the queue ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def waiting(self, model: str) -> int:
+        return self._waiting.get(model, 0)
+
+    def waiting_tokens(self, model: str) -> int:
+        return self._waiting_tokens.get(model, 0)
+
+    def admit(self, entry: QueueEntry, now: float) -> Placement | None:
+        """Queue `entry`; a REJECT placement when the LB is closing or the queue is full."""
+        if self.closed:
+            return Placement(entry, Kind.REJECT, reason=SHUTTING_DOWN)
+        if self.cfg.max_queue is not None and len(self.queue) >= self.cfg.max_queue:
+            return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
+        self.queue.push(entry)
+        self._count(entry, 1)
+        return None
+
+    def withdraw(self, entry: QueueEntry) -> bool:
+        """`entry` leaves without running (timed out, client gone): nobody is charged."""
+        if self.queue.remove(entry):
+            self._count(entry, -1)
+            return True
+        return False
+
+    def close(self) -> list[Placement]:
+        """Take nothing new; every waiting entry gets a REJECT (it is answered, not dropped)."""
+        self.closed = True
+        out = [Placement(e, Kind.REJECT, reason=SHUTTING_DOWN) for e in list(self.queue.iter_in_order(0.0))]
+        for p in out:
+            self.withdraw(p.entry)
+        return out
+
+    def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
+        """A placed request finished: orders that charged an estimate (WSC/VTC) settle it.
+        (The daemon settles through `lb.daemon.fairness.Fairness.completed`, which shares
+        the queue's service counters.)"""
+        self.queue.completed(facts, input_tokens, output_tokens)
+
+    def _count(self, entry: QueueEntry, sign: int) -> None:
+        model = entry.facts.model
+        self._waiting[model] = self._waiting.get(model, 0) + sign
+        self._waiting_tokens[model] = self._waiting_tokens.get(model, 0) + sign * entry.facts.prompt_tokens
+
+    def _take(self, entry: QueueEntry) -> None:
+        self.queue.dispatch(entry)  # WSC/VTC charge the tenant here
+        self._count(entry, -1)
+
+    # -- the fleet ---------------------------------------------------------------------------
+    def register(self, target_id: str) -> None:
+        self.policy.register(target_id)
+
+    def forget(self, target_id: str) -> None:
+        self.policy.forget(target_id)
+
+    def available(self, view: ReplicaView) -> bool:
+        """May one more request be pushed to `view` now (pushing mode and its headroom)?"""
+        c = self.cfg
+        return is_available(view, self.mode, max_outstanding=c.max_outstanding, push_credit=c.push_credit,
+                            max_unseen=c.max_unseen)
+
+    def eligible(self, target: Target, now: float) -> bool:
+        """The per-target half of the filter chain: health, draining, breaker, pushing."""
+        breaker = target.breaker
+        return (breaker is None or breaker.allows(now)) and self.available(target.view)
+
+    # -- one pass ----------------------------------------------------------------------------
+    def schedule(self, now: float, targets: Iterable[Target], peers: PeerSet | None = None) -> list[Placement]:
+        if not len(self.queue):
+            return []
+        p = _Pass(self, list(targets), now)
+        peers_open = peers is not None and peers.open(now)
+        waiting = [m for m, n in self._waiting.items() if n]
+        if not peers_open and not any(p.for_model(m) for m in waiting):
+            return []  # nothing queued has a free target: skip walking the backlog
+        memory = self.affinity.memory
+        free_ids = p.free_ids(waiting) if memory is not None else ()
+        out: list[Placement] = []
+        blocked: set[str] = set()  # models nothing can take this pass, for any entry
+        for entry in self.affinity.order(self.queue.walk(now), now, free_ids):
+            facts = entry.facts
+            if facts.model in blocked:
+                continue
+            cands = self._candidates(entry, p.for_model(facts.model), p.targets)
+            if not cands:
+                placed = self._to_peer(entry, peers, now) if peers_open else None
+                if placed is not None:
+                    out.append(placed)
+                    if placed.kind is Kind.PEER:
+                        peers_open = peers.open(now)
+                    continue
+                if self._widest(entry, peers_open):
+                    blocked.add(facts.model)
+                    if len(blocked) >= len(waiting):
+                        break  # nothing behind can be placed either
+                continue
+            if memory is not None:
+                live = {t.view.id for t in p.targets
+                        if t.view.healthy and not t.view.draining and self._may_go(entry, t.view)}
+                if self.affinity.hold(entry, now, {t.view.id for t in cands}, live):
+                    out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
+                                         waited=now - entry.enqueued_at))
+                    continue
+            by_id = {t.view.id: t for t in cands}
+            target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+            if target is None:
+                continue
+            out.append(self._place(entry, target, now))
+            if not self.eligible(target, now):
+                p.drop(target)
+        return out
+
+    def _place(self, entry: QueueEntry, target: Target, now: float) -> Placement:
+        facts = entry.facts
+        self._take(entry)
+        record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now)
+        self.policy.observe(facts, target.view.id, now)
+        d = self.policy.last
+        return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
+                         d.matched_blocks, d.total_blocks)
+
+    @staticmethod
+    def _may_go(entry: QueueEntry, view: ReplicaView) -> bool:
+        return view.serves(entry.facts.model) and (entry.accepts is None or entry.accepts(view))
+
+    @staticmethod
+    def _widest(entry: QueueEntry, peers_open: bool) -> bool:
+        """No limits of its own: an entry like this finding nothing means no entry for its
+        model can find anything this pass (limits only narrow the candidates)."""
+        return (entry.accepts is None and not entry.exclude
+                and (not peers_open or (entry.facts.residency is None and entry.facts.hops == 0)))
+
+    def _candidates(self, entry: QueueEntry, free_for_model: list, targets: list) -> list:
+        """The per-request half of the filter chain: `accepts`, then retry exclusion."""
+        cands = free_for_model if entry.accepts is None else [t for t in free_for_model if entry.accepts(t.view)]
+        if not entry.exclude:
+            return cands
+        fresh = [t for t in cands if t.view.id not in entry.exclude]
+        if fresh:
+            return fresh
+        # every free one already failed it: wait for another healthy one, if any exists
+        others_exist = any(t.view.healthy and not t.view.draining and t.view.id not in entry.exclude
+                           and self._may_go(entry, t.view) for t in targets)
+        return [] if others_exist else cands
+
+    def _to_peer(self, entry: QueueEntry, peers: PeerSet, now: float) -> Placement | None:
+        """SkyWalker Algorithm 1, second branch: no local replica can take it; an available peer?"""
+        facts = entry.facts
+        usable = [p for p in peers.targets if p.view.healthy and (entry.accepts is None or entry.accepts(p.view))]
+        for p in usable:
+            p.status.in_flight = p.view.outstanding
+        exclude = frozenset(p.config.region for p in usable if p.view.id in entry.exclude)
+        d = decide(facts, local_available=False, peers=[(p.config, p.status) for p in usable], router=peers.router,
+                   tau=peers.tau, now=now, stale_s=peers.stale_s, exclude=exclude)
+        if d.kind != "peer":
+            if d.residency_blocked:
+                return Placement(entry, Kind.HOLD, reason="residency", waited=now - entry.enqueued_at,
+                                 residency_blocked=d.residency_blocked)
+            return None
+        peer = next(p for p in usable if p.config.region == d.region)
+        self._take(entry)
+        peer.status.forwarded_since_status += 1
+        record_push(peer.view, 0, now)
+        peers.router.observe(facts, d.region, now)
+        return Placement(entry, Kind.PEER, peer.handle, peer.view.id, "peer", now - entry.enqueued_at,
+                         residency_blocked=d.residency_blocked)
