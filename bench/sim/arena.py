@@ -129,9 +129,9 @@ class PeerFront:
         hop = self.fleet.one_way(self.region, rep.region)
         if hop:
             req.extra_latency += 2 * hop
-            self.loop.after(hop, rep.push, req)
+            self.loop.after(hop, rep.push_unscheduled, req)
         else:
-            rep.push(req)
+            rep.push_unscheduled(req)
 
     # what SimReplica calls
     def dispatch(self) -> None:

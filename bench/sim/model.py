@@ -35,7 +35,7 @@ from bench.sim.fastengine import DecodeRun, FastEngine
 from bench.sim.metrics import Metrics
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
-from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_PUSH_CREDIT, settle_probe
+from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_PUSH_CREDIT, record_push, settle_probe
 from lb.core.queueing import make_queue
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
@@ -166,6 +166,12 @@ class SimReplica:
         self._catch_up(now)
         self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now), now)
         self._schedule(now)
+
+    def push_unscheduled(self, req: SimRequest) -> None:
+        """Run `req` here on a front that does not run the scheduler (the peers' routers in
+        bench/sim/arena.py): count the push on the view as the scheduler would, then run it."""
+        record_push(self.view, 0, self.loop.now)
+        self.push(req)
 
     def _catch_up(self, now: float) -> None:
         """Apply the steps of a collapsed decode run that started before `now`."""
