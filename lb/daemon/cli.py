@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(to_toml(cfg))
         return 0
-    if not cfg.replicas:
+    if not cfg.replicas and not cfg.discovery:  # discovery finds them once running
         print("lb: no replicas: add [[replicas]] to the config or pass --replica URL "
               "(or start empty and add them via POST /admin/replicas with an admin token)", file=sys.stderr)
         if not cfg.server.admin_token:
