@@ -109,7 +109,7 @@ class Faulty:
                                 content_type="text/event-stream")
         chat = request.path.endswith("chat/completions")
         if mode in HOSTILE and mode != "mid_break":
-            return await self._hostile(request, mode, chat)
+            return await self._hostile(request, mode, chat, bool(body.get("stream")))
         if not body.get("stream"):
             text = "tok " * self.behaviour["tokens"]
             choice = {"index": 0, "finish_reason": "length",
@@ -143,7 +143,7 @@ class Faulty:
             self.streaming -= 1
         return resp
 
-    async def _hostile(self, request: web.Request, mode: str, chat: bool) -> web.StreamResponse:
+    async def _hostile(self, request: web.Request, mode: str, chat: bool, stream: bool) -> web.StreamResponse:
         """One broken answer. Big ones are written a MiB at a time: the replica stays small."""
         size = self.behaviour["size_bytes"]
         raw = {"bad_chunk": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -156,6 +156,11 @@ class Faulty:
             await asyncio.sleep(0.05)
             request.transport.close()
             return web.Response()
+        if mode == "gzip" and stream:  # a whole event stream, compressed
+            events = [_sse(_chunk(self.model, chat, {"content": "zipped"}, "zipped", None)),
+                      _sse(_chunk(self.model, chat, {}, "", "stop")), b"data: [DONE]\n\n"]
+            return web.Response(body=gzip.compress(b"".join(events)), content_type="text/event-stream",
+                                headers={"Content-Encoding": "gzip"})
         if mode == "gzip":
             doc = {"id": "faulty", "object": "chat.completion" if chat else "text_completion", "model": self.model,
                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "zipped"}}],

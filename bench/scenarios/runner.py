@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import inspect
 import pkgutil
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="shrink to about a minute (smoke run)")
     parser.add_argument("--out", type=Path, help="output folder (default out/<name>)")
     parser.add_argument("--list", action="store_true", help="list scenarios with one line each")
+    parser.add_argument("--duration", type=float, metavar="S", help="run time in seconds, for scenarios that take one (chaos)")
 
 
 def list_scenarios() -> str:
@@ -94,7 +96,13 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out or Path("out") / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     module = importlib.import_module(module_name(args.name))
-    summary = module.run(out_dir, args.quick)
+    extra = {}
+    if getattr(args, "duration", None) is not None:
+        if "duration" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --duration", file=sys.stderr)
+            return 2
+        extra["duration"] = args.duration
+    summary = module.run(out_dir, args.quick, **extra)
     summary = {"scenario": args.name, **{k: v for k, v in summary.items() if k != "scenario"}}
     report.write_summary(out_dir / "summary.json", summary)
     present(summary, out_dir)

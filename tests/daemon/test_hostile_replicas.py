@@ -274,3 +274,10 @@ def test_finished_jobs_make_room_and_the_journal_is_compacted_at_its_bound(repli
         assert kept[-1] == 200 and kept[0] == 404 and kept.count(200) <= 4, kept  # the oldest results went first
     finally:
         d.proc.stop()
+
+
+def test_a_gzipped_stream_is_decoded_for_the_client(alone, hostile):
+    hostile(mode="gzip")
+    status, headers, raw, _ = call(alone, stream=True)
+    assert status == 200 and "content-encoding" not in headers
+    assert b'"zipped"' in raw and raw.endswith(b"data: [DONE]\n\n")
