@@ -5,8 +5,9 @@ IW-F (interactive fast) and IW-N (interactive normal) have TTFT/E2E targets in s
 a priority number means: SGLang runs *higher* values first, vLLM *lower* first, so the config
 holds one table per engine and validation checks each table points the right way.
 
-vLLM answers 400 to any non-zero `priority` unless it was started with `--scheduling-policy
-priority`, so by default it gets no field at all; a `[tiers.priority.vllm]` table turns the
+vLLM without `--scheduling-policy priority` answers 400 to a non-zero `priority` (V0 engine,
+and V1 before it scheduled by priority) or accepts and ignores it (current V1; docs/security.md
+has the versions), so by default it gets no field at all; a `[tiers.priority.vllm]` table turns the
 pass-through on for it (`VLLM_PRIORITY_EXAMPLE` is a sensible one).
 """
 from __future__ import annotations
