@@ -21,6 +21,7 @@ Broken HTTP and oversized answers (issue 13; `size_bytes` sets how big):
   gzip          HTTP 200 with `Content-Encoding: gzip` (the client never asked for it)
   bad_status    HTTP/1.1 999
   mid_break     a valid stream's first `die_after` chunks, then a bad chunk size (after the first byte)
+  hang_body     HTTP 200 JSON headers (a Content-Length), then never the body
 Probe modes (what `/get_load` and `/health` do):
   honest     hanging requests are reported waiting, streaming ones running
   lie        always reports an idle replica (pending 0), whatever it holds
@@ -39,7 +40,7 @@ import orjson
 from aiohttp import web
 
 MODES = ("ok", "hang", "error500", "malformed", "die", "bad_chunk", "cr_header", "endless_line", "huge_body",
-         "huge_error", "gzip", "bad_status", "mid_break")
+         "huge_error", "gzip", "bad_status", "mid_break", "hang_body")
 HOSTILE = MODES[5:]  # the broken shapes (the chaos scenario rotates through them)
 MIB = 1 << 20
 PROBES = ("honest", "lie", "slow", "hang")
@@ -95,6 +96,11 @@ class Faulty:
         self.received += 1
         self.last_headers = {str(k): v for k, v in request.headers.items()}  # keys are istr
         mode = self.behaviour["mode"]
+        if mode == "hang_body":  # the headers, then nothing: stuck in the body
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 100
+            await resp.prepare(request)
+            mode = "hang"
         if mode == "hang":
             self.hanging += 1
             try:

@@ -3,7 +3,8 @@ replica that rotates through every broken shape it knows (issue 13); is any requ
 
 The hostile replica (`bench/faulty_replica.py`) changes shape every `ROTATE_S`: a bad chunk
 size, a CR inside a header, a never-ending SSE line, a huge body, a huge error body, gzip
-nobody asked for, HTTP status 999, a stream broken after its first byte, a request accepted
+nobody asked for, HTTP status 999, a stream broken after its first byte, headers then never a
+body, a request accepted
 and never answered while its probes say it is idle, a stream stalled after its first byte.
 Clients stream (three in four) or not, for `--duration` seconds (default 30; `--quick` 10).
 Every answer is classified:
@@ -40,7 +41,7 @@ QUICK_DURATION_S = 10.0
 ROTATE_S = 0.5
 CLIENTS = 6
 REQUEST_TIMEOUT_S = 30.0
-SHAPES = [{"mode": m} for m in HOSTILE] + [
+SHAPES = [{"mode": m, **({"probe": "lie"} if m == "hang_body" else {})} for m in HOSTILE] + [
     {"mode": "hang", "probe": "lie"},  # accepted, never answered, probes say idle
     {"mode": "ok", "probe": "lie", "tokens": 4, "token_delay_s": 1000.0},  # stalls after the first byte
 ]

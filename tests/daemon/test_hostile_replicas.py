@@ -163,15 +163,20 @@ def test_gzip_from_a_replica_is_decoded_for_the_client(alone, hostile):
     assert json.loads(raw)["choices"][0]["message"]["content"] == "zipped"
 
 
-def test_a_stream_broken_after_its_first_byte_ends_with_an_error_event(alone, hostile):
-    hostile(mode="mid_break", tokens=6, die_after=2, token_delay_s=0.05)
-    status, _, raw, rid = call(alone, stream=True)
+def assert_stream_ended_with_error(d, code: str, reason: str) -> None:
+    """A stream that began (a first event) and ended with an error event `code`, then [DONE]."""
+    status, _, raw, rid = call(d, stream=True)
     assert status == 200
     events = [e for e in raw.split(b"\n\n") if e.strip()]
     assert b'"choices"' in events[0]
-    assert json.loads(events[-2][len(b"data: "):])["error"]["code"] == "upstream_error"
+    assert json.loads(events[-2][len(b"data: "):])["error"]["code"] == code
     assert events[-1] == b"data: [DONE]"
-    assert access_line(alone, rid)["reason"] == "upstream_broken_stream"
+    assert access_line(d, rid)["reason"] == reason
+
+
+def test_a_stream_broken_after_its_first_byte_ends_with_an_error_event(alone, hostile):
+    hostile(mode="mid_break", tokens=6, die_after=2, token_delay_s=0.05)
+    assert_stream_ended_with_error(alone, "upstream_error", "upstream_broken_stream")
 
 
 def test_a_hung_request_is_retried_elsewhere_and_the_replica_marked_suspect(paired, hostile, replicas):
@@ -188,15 +193,18 @@ def test_a_hung_request_is_retried_elsewhere_and_the_replica_marked_suspect(pair
     assert [r["suspect"] for r in doc["replicas"] if r["url"] == replicas[0]] == [True]
 
 
+def test_a_body_that_never_comes_is_retried_elsewhere_once_the_probes_show_it_hung(paired, hostile, replicas):
+    hostile(mode="hang_body", probe="lie")
+    hung = metric(paired.url, "lb_upstream_errors_total", kind="hung")
+    for _ in range(2):  # round-robin: one of two starts on the hostile replica
+        status, _, raw, _ = call(paired)
+        assert status == 200 and json.loads(raw)["choices"], raw[:300]
+    assert metric(paired.url, "lb_upstream_errors_total", kind="hung") > hung
+
+
 def test_a_stream_hung_after_its_first_byte_ends_with_an_error_event(alone, hostile):
     hostile(mode="ok", probe="lie", tokens=3, token_delay_s=1000.0)
-    status, _, raw, rid = call(alone, stream=True)
-    assert status == 200
-    events = [e for e in raw.split(b"\n\n") if e.strip()]
-    assert b'"choices"' in events[0]
-    assert json.loads(events[-2][len(b"data: "):])["error"]["code"] == "upstream_hung"
-    assert events[-1] == b"data: [DONE]"
-    assert access_line(alone, rid)["reason"] == "upstream_hung"
+    assert_stream_ended_with_error(alone, "upstream_hung", "upstream_hung")
 
 
 def test_a_client_leaving_after_the_first_byte_is_logged_499_client_disconnected(alone, hostile):
