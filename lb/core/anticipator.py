@@ -154,6 +154,10 @@ class LoadAwarePolicy(PolicyBase):
         for rid in (load.requests if load else ()):
             self.where.pop(rid, None)
 
+    @property
+    def load_tracker(self) -> "LoadAwarePolicy":
+        return self
+
     def anticipated_kv(self, target_ids: Sequence[str]) -> tuple[tuple[float, ...], ...]:
         """The look-ahead map of each target, for `ScalingSignals.anticipated_kv`."""
         return tuple(self.load(t).lookahead(self.iterations) for t in target_ids)

@@ -56,6 +56,10 @@ class PolicyBase:
     def prefix_memory(self) -> PrefixMemory | None:
         return None
 
+    @property
+    def load_tracker(self):
+        return None
+
 
 def pick_best(candidates: Sequence[ReplicaView], scores: Sequence | Callable[[ReplicaView], object], rng: random.Random) -> ReplicaView | None:
     """The candidate with the highest score (a list aligned with `candidates`, or a function

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 WINDOW_S = 600.0
+
+from lb.core.anticipator import LoadAwarePolicy
+from lb.core.deferred import effective_kv_utilization
+from lb.core.types import QueueEntry, ReplicaView
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,37 @@ class ScalingSignals:
     @property
     def key(self) -> tuple[str, str]:
         return (self.region, self.model)
+
+
+def p95(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def pool_signals(region: str, model: str, *, replicas: int, ready: Sequence[ReplicaView], starting: int,
+                 queued: Sequence[QueueEntry], available: Callable[[ReplicaView], bool],
+                 recent_waits: Sequence[float], tracker: LoadAwarePolicy, observed_tps: float,
+                 forecast_tps: float | None, planned: int | None, now: float) -> ScalingSignals:
+    """One (region, model) pool described from what the LB already knows: its `ready`
+    replicas' probed KV (a replica with a queue of its own counts as full), the entries of
+    this model waiting in the LB queue (work waiting that nothing can take means no spare
+    capacity at all), the queue waits of recent dispatches plus the ages of those waiting,
+    tokens in flight (the anticipator's queued prefill and predicted remaining decode, plus
+    the queued prompts and their predicted outputs), and the measured and forecast tokens/s."""
+    kv = effective_kv_utilization(ready)
+    if queued and not any(available(v) for v in ready):
+        kv = 1.0
+    ages = [*recent_waits, *(now - e.enqueued_at for e in queued)]
+    predict = tracker.length_model.predict
+    in_flight = sum(tracker.load(v.id).queued_prefill() + tracker.load(v.id).remaining_decode() for v in ready)
+    in_flight += sum(e.facts.prompt_tokens + predict(e.facts).expected for e in queued)
+    return ScalingSignals(
+        region=region, model=model, replicas=replicas, kv_usage=kv, starting=starting, planned=planned,
+        forecast_tps=forecast_tps, observed_tps=observed_tps,
+        anticipated_kv=tracker.anticipated_kv([v.id for v in ready]),
+        queue_p95_s=p95(ages), tokens_in_flight=int(in_flight))
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,11 @@ class Policy(Protocol):
         """What cache-affine queue scheduling (lb.core.affinity) asks about prefixes; None
         for a policy that remembers none."""
 
+    @property
+    def load_tracker(self):
+        """The policy's own anticipated-load tracker (`lb.core.anticipator.LoadAwarePolicy`),
+        which capacity planning reuses instead of keeping a second one; None for others."""
+
 
 @dataclass(eq=False)
 class QueueEntry:

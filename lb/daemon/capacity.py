@@ -24,7 +24,6 @@ import asyncio
 import collections
 import json
 import logging
-import math
 import os
 import time
 from typing import Callable, Iterable
@@ -33,10 +32,10 @@ from urllib.parse import urlsplit
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lb.core.anticipator import LoadAwarePolicy
-from lb.core.deferred import effective_kv_utilization
 from lb.core.forecast import ServiceForecaster
 from lb.core.planner import planned_instances
-from lb.core.scaling import ScalingDecision, ScalingSignals, desired_replicas, keep_for_deferred, make_strategy
+from lb.core.scaling import (ScalingDecision, ScalingSignals, desired_replicas, keep_for_deferred, make_strategy,
+                             pool_signals)
 from lb.core.types import QueueEntry, RequestFacts
 from lb.daemon.config import ReplicaConfig
 from lb.daemon.registry import Registry, Replica
@@ -46,13 +45,6 @@ log = logging.getLogger("lb.capacity")
 
 Pool = tuple[str, str]  # (region, model)
 STATELESS_KEYS = ("min_replicas", "max_replicas", "target_kv")
-
-
-def p95(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 class Capacity:
@@ -71,9 +63,9 @@ class Capacity:
             if isinstance(actuator, LocalActuator):
                 actuator.unmanaged = self._unmanaged
         # The load-aware routing policy already anticipates load; otherwise keep a tracker of our own.
-        policy = dispatcher.policy
-        self.own_tracker = not isinstance(policy, LoadAwarePolicy)
-        self.tracker: LoadAwarePolicy = LoadAwarePolicy(cfg.kv_capacity_tokens) if self.own_tracker else policy
+        shared = dispatcher.policy.load_tracker
+        self.own_tracker = shared is None
+        self.tracker: LoadAwarePolicy = LoadAwarePolicy(cfg.kv_capacity_tokens) if shared is None else shared
         self.forecaster = ServiceForecaster(method="seasonal-naive", window_s=cfg.forecast_window_s)
         self._forecasts: dict[Pool, tuple[int, float | None, float | None]] = {}
         self.waits: collections.deque = collections.deque(maxlen=100_000)  # (t, model, queue wait s)
@@ -175,26 +167,17 @@ class Capacity:
 
     def signals_for(self, pool: Pool, reps: list[Replica], queued: list[QueueEntry], now: float) -> ScalingSignals:
         region, model = pool
-        ready = [r.view for r in reps if r.view.healthy]
-        starting = sum(1 for r in reps if not r.view.healthy and not r.view.last_probe_at)
-        kv = effective_kv_utilization(ready)
-        if queued and not any(self.dispatcher.available(v) for v in ready):
-            kv = 1.0  # work waits in the LB queue and nothing can take it: no spare capacity
-        ages = [w for t, m, w in self.waits if m == model] + [now - e.enqueued_at for e in queued]
-        predict = self.tracker.length_model.predict
-        in_flight = sum(self.tracker.load(v.id).queued_prefill() + self.tracker.load(v.id).remaining_decode()
-                        for v in ready)
-        in_flight += sum(e.facts.prompt_tokens + predict(e.facts).expected for e in queued)
         span = max(1e-9, min(self.cfg.signal_window_s, now - self._started_at))
-        observed = sum(tok for _, p, tok in self.served if p == pool) / span
         prompt_tps, output_tps = self.forecast(pool)
         planned = None if self.plan is None else planned_instances(
             self.plan, region, model, self.wall(), written_at=self.plan_written_at, source=self.cfg.plan_source)
-        return ScalingSignals(
-            region=region, model=model, replicas=len(reps), kv_usage=kv, starting=starting, planned=planned,
-            forecast_tps=None if prompt_tps is None else prompt_tps + output_tps, observed_tps=observed,
-            anticipated_kv=self.tracker.anticipated_kv([v.id for v in ready]),
-            queue_p95_s=p95(ages), tokens_in_flight=int(in_flight))
+        return pool_signals(
+            region, model, replicas=len(reps), ready=[r.view for r in reps if r.view.healthy],
+            starting=sum(1 for r in reps if not r.view.healthy and not r.view.last_probe_at),
+            queued=queued, available=self.dispatcher.available,
+            recent_waits=[w for t, m, w in self.waits if m == model], tracker=self.tracker,
+            observed_tps=sum(tok for _, p, tok in self.served if p == pool) / span,
+            forecast_tps=None if prompt_tps is None else prompt_tps + output_tps, planned=planned, now=now)
 
     def forecast(self, pool: Pool) -> tuple[float | None, float | None]:
         """Next window's (prompt, output) tokens/s; None before a window has ended. Refitted

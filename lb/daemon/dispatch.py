@@ -14,11 +14,15 @@ import time
 from typing import Callable
 
 from lb.core.scheduler import QUEUE_FULL, SHUTTING_DOWN, Kind, Placement, Scheduler, SchedulerConfig
-from lb.core.types import Policy, QueueEntry, ReplicaView, RequestFacts
+from lb.core.types import Decision, Policy, QueueEntry, ReplicaView, RequestFacts
 from lb.daemon.config import Config
 from lb.daemon.errors import LBError
 from lb.daemon.fairness import Fairness
 from lb.daemon.registry import Registry, Replica
+
+
+# The explanation of a route that skips the queue (lb.core.routes DIRECT), for the access log.
+DIRECT_CHOICE = Decision(None, "direct")
 
 
 def scheduler_config(cfg: Config) -> SchedulerConfig:
@@ -100,8 +104,9 @@ class Dispatcher:
 
     async def acquire(self, facts: RequestFacts, accepts: Callable[[ReplicaView], bool] | None = None,
                       exclude: frozenset[str] = frozenset(),
-                      ticket: tuple[float, int] | None = None) -> tuple[Replica, float]:
-        """Wait in the LB queue until a replica is chosen; returns it and the queue wait.
+                      ticket: tuple[float, int] | None = None) -> tuple[Replica, float, Decision]:
+        """Wait in the LB queue until a replica is chosen; returns it, the queue wait and
+        why it was chosen (the placement's explanation, for the access log).
 
         The caller must `registry.completed(replica)` when done with it.
         """
@@ -115,12 +120,13 @@ class Dispatcher:
             raise self._error(rejected)
         self.dispatch_pass()  # the common case, a free replica, is placed without a loop turn
         if fut.done():  # ...and returned without one (wait_for would add a turn)
-            return fut.result(), time.monotonic() - now
+            rep, why = fut.result()
+            return rep, time.monotonic() - now, why
         try:
-            rep = await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
+            rep, why = await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
         except (asyncio.CancelledError, TimeoutError) as e:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.registry.completed(fut.result())  # placed in the same instant; give it back
+                self.registry.completed(fut.result()[0])  # placed in the same instant; give it back
             else:
                 self.scheduler.withdraw(entry)
                 fut.cancel()
@@ -129,7 +135,7 @@ class Dispatcher:
                 raise LBError(503, f"no replica could take the request within {self.cfg.queue.timeout_s:g}s",
                               code="queue_timeout", retry_after=self.cfg.queue.retry_after_s) from None
             raise
-        return rep, time.monotonic() - now
+        return rep, time.monotonic() - now, why
 
     def _error(self, placement: Placement) -> LBError:
         """A rejected placement as the client's answer: the one place its reason gets a status."""
@@ -160,14 +166,14 @@ class Dispatcher:
             if fut.done():  # its client left in the same instant: give the slot back
                 self.registry.completed(rep)
             else:
-                fut.set_result(rep)
+                fut.set_result((rep, Decision(p.target_id, p.reason, p.matched_blocks, p.total_blocks)))
         self._gauge()
 
     def _record(self, p: Placement) -> None:
         if self.metrics is None:
             return
         self.metrics.queue_wait.observe(p.waited)
-        self.metrics.decisions.labels(self.policy.name, p.target_id).inc()
+        self.metrics.decisions.labels(self.policy.name, p.target_id, p.reason).inc()
         if p.total_blocks:
             self.metrics.prefix_match.observe(p.matched_blocks)
 

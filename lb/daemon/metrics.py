@@ -38,8 +38,9 @@ class Metrics:
         self.cached_tokens = Counter("lb_cached_tokens", "Prompt tokens served from a replica's prefix cache",
                                      ["target"], registry=r)
         self.output_tokens = Counter("lb_output_tokens", "Output tokens reported by replicas", ["target"], registry=r)
-        self.decisions = Counter("lb_routing_decisions", "Dispatch decisions by policy and target",
-                                 ["policy", "target"], registry=r)
+        # reason: why the policy chose the target (lb.core.types.Decision.reason, a fixed small set)
+        self.decisions = Counter("lb_routing_decisions", "Dispatch decisions by policy, target and reason",
+                                 ["policy", "target", "reason"], registry=r)
         self.prefix_match = Histogram("lb_prefix_match_blocks", "Prefix blocks matched by the routing choice",
                                       buckets=MATCH_BUCKETS, registry=r)
         self.retries = Counter("lb_upstream_retries", "Attempts retried on another replica before the first byte",

@@ -29,7 +29,7 @@ from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, least_
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.admission_gate import Gate
 from lb.daemon.config import Config
-from lb.daemon.dispatch import Dispatcher
+from lb.daemon.dispatch import DIRECT_CHOICE, Dispatcher
 from lb.daemon.errors import LBError, normalize_upstream_error, sse_error_event
 from lb.daemon.coalescing import Coalescing, Flight
 from lb.daemon.hung import Attempt, HungWatch
@@ -106,6 +106,12 @@ class Outcome:
     attempts: int = 0
     stream: bool = False
     queue_wait_s: float | None = None
+    # why the scheduler chose this target (lb.core.scheduler.Placement.reason: prefix, load,
+    # ring, ..., peer; "direct" for a route that skips the queue) and the prefix blocks it
+    # believed the target held, of the prompt's
+    decision: str = ""
+    matched_blocks: int = 0
+    prompt_blocks: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
     user: str | None = None
@@ -296,11 +302,12 @@ class Proxy:
         ticket = self.dispatcher.ticket()  # a retry keeps the queue place the request arrived with
         while True:
             if route.dispatch == DIRECT:
-                rep, waited = self._direct(facts, accepts, tried), 0.0
+                rep, waited, why = self._direct(facts, accepts, tried), 0.0, DIRECT_CHOICE
             else:
-                rep, waited = await self.dispatcher.acquire(facts, accepts, frozenset(tried), ticket)
+                rep, waited, why = await self.dispatcher.acquire(facts, accepts, frozenset(tried), ticket)
             out.attempts += 1
             out.target = rep.id
+            out.decision, out.matched_blocks, out.prompt_blocks = why.reason, why.matched_blocks, why.total_blocks
             out.queue_wait_s = (out.queue_wait_s or 0.0) + waited
             attempt = self.hung.start(rep)
             try:

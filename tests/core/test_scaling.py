@@ -133,3 +133,22 @@ def test_unknown_strategy_is_named():
     d = make_strategy("reactive").decide(sig(2, 0.9), 3.0)
     assert d.to_json() == {"region": "us", "model": "m", "current": 2, "desired": 3,
                            "reason": "kv 0.90 > 0.7", "strategy": "reactive", "at": 3.0, "delta": 1}
+
+
+def test_pool_signals_count_waiting_work_and_a_pool_that_cannot_take_it_as_full():
+    from lb.core.anticipator import LoadAwarePolicy
+    from lb.core.scaling import pool_signals
+    from lb.core.types import QueueEntry, ReplicaView, RequestFacts
+
+    ready = [ReplicaView(id="a", url="", kv_usage=0.2), ReplicaView(id="b", url="", kv_usage=0.4)]
+    queued = [QueueEntry(RequestFacts(f"q{i}", "m", prompt_tokens=100, max_tokens=10), enqueued_at=90.0)
+              for i in range(3)]
+    kw = dict(replicas=3, ready=ready, starting=1, recent_waits=[0.1] * 20, tracker=LoadAwarePolicy(),
+              observed_tps=50.0, forecast_tps=None, planned=None, now=100.0)
+    idle = pool_signals("r", "m", queued=[], available=lambda v: True, **kw)
+    assert abs(idle.kv_usage - 0.3) < 1e-9
+    assert idle.queue_p95_s == 0.1 and idle.tokens_in_flight == 0
+    stuck = pool_signals("r", "m", queued=queued, available=lambda v: False, **kw)
+    assert stuck.kv_usage == 1.0  # work waits and nothing can take it: no spare capacity
+    assert stuck.queue_p95_s == 10.0  # the waiting entries' ages count
+    assert stuck.tokens_in_flight >= 3 * 100 and (stuck.replicas, stuck.starting) == (3, 1)

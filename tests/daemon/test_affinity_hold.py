@@ -5,6 +5,7 @@ recomputed on the idle replica; with `hold_s = 0` it goes to the idle one at onc
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -70,10 +71,17 @@ def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path,
         holder, served_by, took = asyncio.run(asyncio.wait_for(scenario(d.url, urls), 90))
     finally:
         d.proc.stop()
+        access = [json.loads(x) for x in d.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
         for p, _ in emus:
             p.stop()
     print(f"hold_s={hold_s}: holder {holder}, follow-up on {served_by} after {took * 1000:.0f} ms")
+    # the access log says why: the follow-up (the last request through lb) was placed on its
+    # prefix, on the holder it waited for
+    follow_up = access[-1]
+    print("access log:", {k: follow_up[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
     if hold_s:
+        assert (follow_up["decision"], follow_up["target"]) == ("prefix", holder)
+        assert 0 < follow_up["matched_blocks"] <= follow_up["prompt_blocks"]
         assert served_by == holder  # waited for its cache rather than recomputing elsewhere
     else:
         assert served_by != holder  # no hold: the idle replica takes it at once
