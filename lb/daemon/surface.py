@@ -11,6 +11,7 @@ and lb's own (`x-lb-*`, X-Request-Id, Server, Date, Set-Cookie).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -47,25 +48,33 @@ def upstream_headers(request, rid: str, cfg: Config, route: Route) -> dict:
             h[name] = value
     if cfg.identity.api_keys:  # then the client's key is the LB's credential: never leak it upstream
         h.pop("Authorization", None)
-    for name in cfg.proxy.forward_headers:
-        if name.endswith("*"):
-            prefix = name[:-1].lower()
-            h.update((k, v) for k, v in src.items() if k.lower().startswith(prefix) and not k.lower().startswith("x-lb-"))
-        else:
-            value = src.get(name)
-            if value is not None:
-                h[name] = value
+    names, prefixes = _allowlist(cfg.proxy.forward_headers)
+    for name in names:
+        value = src.get(name)
+        if value is not None:
+            h[name] = value
+    if prefixes:
+        h.update((k, v) for k, v in src.items() if k.lower().startswith(prefixes) and not k.lower().startswith("x-lb-"))
     return h
+
+
+@functools.lru_cache(maxsize=16)
+def _allowlist(entries: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`[proxy] forward_headers` split once per config: exact names, lower-case prefixes."""
+    return (tuple(e for e in entries if not e.endswith("*")),
+            tuple(e[:-1].lower() for e in entries if e.endswith("*")))
 
 
 def reply_headers(upstream: aiohttp.ClientResponse | None, rid: str, replica: str) -> dict:
     """The client's response headers: the engine's useful ones, then lb's own."""
     out = {}
     if upstream is not None:
-        named = {t.strip().lower() for t in upstream.headers.get("Connection", "").split(",")}
-        for k, v in upstream.headers.items():
+        src = upstream.headers
+        connection = src.get("Connection")
+        drop = _NOT_RETURNED | {t.strip().lower() for t in connection.split(",")} if connection else _NOT_RETURNED
+        for k, v in src.items():
             low = k.lower()
-            if low not in _NOT_RETURNED and low not in named and not low.startswith("x-lb-"):
+            if low not in drop and not low.startswith("x-lb-"):
                 out[k] = v
     out["X-Request-Id"] = rid
     out["X-LB-Replica"] = replica
