@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from lb.core.types import ReplicaView
 
@@ -83,9 +83,16 @@ ROUTES: tuple[Route, ...] = (
 BY_NAME: dict[str, Route] = {r.name: r for r in ROUTES}
 
 
-def least_busy(views: Iterable[ReplicaView]) -> ReplicaView | None:
-    """A DIRECT request's replica: the one with the fewest requests in flight (ties by id)."""
-    return min(views, key=lambda v: (v.outstanding, v.id), default=None)
+def direct_target(targets: Iterable, model: str, accepts: Callable[[ReplicaView], bool],
+                  tried: Collection[str], now: float):
+    """A DIRECT request's replica (anything with `.view` and `.breaker`, as the scheduler's
+    targets): healthy, not draining, serving the model, its circuit closed; one not tried yet
+    if there is one; the fewest requests in flight, ties by id. Pushing headroom is not asked:
+    a tokenize call takes no KV. None when nothing qualifies."""
+    ok = [t for t in targets if t.view.healthy and not t.view.draining and t.view.serves(model) and accepts(t.view)
+          and (t.breaker is None or t.breaker.allows(now))]
+    fresh = [t for t in ok if t.view.id not in tried]
+    return min(fresh or ok, key=lambda t: (t.view.outstanding, t.view.id), default=None)
 
 
 _DISPOSITION = re.compile(rb'(?im)^content-disposition:[^\r\n]*?;\s*name="?([^";\r\n]+)"?')

@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from lb.core.facts import H_REQUEST_ID, BadRequest, build_facts
 from lb.core.health import RETRYABLE_STATUSES, backoff_delay
 from lb.core.loadparse import usage_from_tail
-from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, least_busy
+from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, direct_target
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.admission_gate import Gate
 from lb.daemon.config import Config
@@ -353,13 +353,9 @@ class Proxy:
 
     def _direct(self, facts: RequestFacts, accepts, tried: set[str]) -> Replica:
         """A DIRECT route's replica, now: no queue, no pushing accounting (lb.core.routes)."""
-        now = time.monotonic()
-        views = [r.view for r in self.registry.active() if r.view.healthy and r.view.serves(facts.model)
-                 and accepts(r.view) and r.breaker.allows(now)]
-        view = least_busy([v for v in views if v.id not in tried]) or least_busy(views)
-        if view is None:
+        rep = direct_target(self.registry.active(), facts.model, accepts, tried, time.monotonic())
+        if rep is None:
             raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
-        rep = self.registry.get(view.id)
         rep.view.outstanding += 1  # so a drain waits for it; `completed` gives it back
         return rep
 

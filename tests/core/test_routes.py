@@ -2,7 +2,7 @@
 only from whole parts, FANOUT answers combined, and a request without a model served by any replica."""
 from __future__ import annotations
 
-from lb.core.routes import BY_NAME, DIRECT, FANOUT, ROUTES, combine, least_busy, multipart_field
+from lb.core.routes import BY_NAME, DIRECT, FANOUT, ROUTES, combine, direct_target, multipart_field
 from lb.core.types import ReplicaView
 
 
@@ -35,9 +35,27 @@ def test_multipart_model_field():
     assert multipart_field(late[:20], b"B", b"model") == (False, None)
 
 
-def test_least_busy_breaks_ties_by_id():
-    views = [ReplicaView(id="b", url="", outstanding=1), ReplicaView(id="c", url=""), ReplicaView(id="a", url="")]
-    assert least_busy(views).id == "a" and least_busy([]) is None
+class T:
+    def __init__(self, id: str, outstanding: int = 0, healthy: bool = True, engine: str = "sglang",
+                 models: frozenset = frozenset({"m"}), breaker=None):
+        self.view = ReplicaView(id=id, url="", outstanding=outstanding, healthy=healthy, engine=engine, models=models)
+        self.breaker = breaker
+
+
+class Open:
+    def allows(self, now: float) -> bool:
+        return False
+
+
+def test_direct_target_least_busy_untried_eligible():
+    any_ = BY_NAME["tokenize"].accepts
+    ts = [T("b", 1), T("c"), T("a")]
+    assert direct_target(ts, "m", any_, (), 0.0).view.id == "a"  # ties by id
+    assert direct_target(ts, "m", any_, {"a"}, 0.0).view.id == "c"  # one not tried yet
+    assert direct_target(ts, "m", any_, {"a", "b", "c"}, 0.0).view.id == "a"  # all tried: any again
+    assert direct_target([T("a", healthy=False), T("b", breaker=Open()), T("c", models=frozenset({"x"}))],
+                         "m", any_, (), 0.0) is None
+    assert direct_target([T("v", engine="vllm")], "", BY_NAME["generate"].accepts, (), 0.0) is None
 
 
 def test_combine_keeps_the_engine_shape_and_flush_needs_every_replica():
