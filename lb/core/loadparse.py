@@ -134,12 +134,12 @@ def usage_from_tail(tail: bytes) -> Usage | None:
                 u = orjson.loads(obj)
             except orjson.JSONDecodeError:
                 u = None
-            if isinstance(u, dict):
-                details = u.get("prompt_tokens_details") or {}
+            if isinstance(u, dict):  # Chat/Completions names, else the Responses API's
+                details = u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}
                 return Usage(
-                    prompt_tokens=int(u.get("prompt_tokens") or 0),
+                    prompt_tokens=int(u.get("prompt_tokens") or u.get("input_tokens") or 0),
                     cached_tokens=int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
-                    completion_tokens=int(u.get("completion_tokens") or 0),
+                    completion_tokens=int(u.get("completion_tokens") or u.get("output_tokens") or 0),
                 )
         at = tail.rfind(b'"usage"', 0, at)
     return None

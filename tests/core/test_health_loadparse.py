@@ -78,3 +78,6 @@ def test_usage_from_stream_tail_skips_null_usage_chunks():
         loadparse.Usage(3, 0, 1)
     assert loadparse.usage_from_tail(b'data: {"usage":null}\n\ndata: [DONE]') is None
     assert loadparse.usage_from_tail(b'"usage":{"prompt_tok') is None  # cut off: no guess
+    responses = (b'{"object":"response","usage":{"input_tokens":9,"output_tokens":4,"total_tokens":13,'
+                 b'"input_tokens_details":{"cached_tokens":2}}}')
+    assert loadparse.usage_from_tail(responses) == loadparse.Usage(9, 2, 4)  # the Responses API's names

@@ -94,8 +94,10 @@ def test_score(fleet, path):
 
 def test_responses_plain_and_streamed(fleet):
     d, _ = fleet
+    before = metric(d.url, "lb_output_tokens_total")
     r = sdk(d).responses.create(model="m", input="Say something", max_output_tokens=6)
     assert r.status == "completed" and r.output_text and r.usage.output_tokens <= 6
+    assert metric(d.url, "lb_output_tokens_total") - before == r.usage.output_tokens  # its usage is read too
     events = list(sdk(d).responses.create(model="m", input="Say something", max_output_tokens=4, stream=True))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     # a stored response lives on one replica: lb asks every one and answers the owner's
