@@ -7,7 +7,8 @@ pass under tracemalloc reports the memory each policy holds at the bound. Varian
   prefix-trie      lb's default (128-character blocks, flat dict of chain hashes)
   prefix-trie-64   the same with 64-character blocks (twice the nodes per prompt)
   prefix-pygtrie   the same policy with a pygtrie.Trie as the store (no eviction: it only
-                   prices the walk and insert that the flat dict replaces)
+                   prices the walk and insert that the flat dict replaces; needs the
+                   `bench` extra, `pip install lb[bench]`: lb itself does not depend on pygtrie)
   cache-aware      SGLang Router's algorithm over the same kind of trie
   consistent-hash  ring walk on the session key
   round-robin      the floor: no state worth the name
@@ -25,8 +26,6 @@ import sys
 import time
 import tracemalloc
 
-import pygtrie
-
 from lb.core.policies import make_policy
 from lb.core.prefix import block_hashes
 from lb.core.types import ReplicaView, RequestFacts
@@ -42,6 +41,10 @@ class PygtrieStore:
     """PrefixTrie's interface over pygtrie.Trie keyed by chain tuples; unbounded."""
 
     def __init__(self) -> None:
+        try:
+            import pygtrie
+        except ImportError:
+            raise SystemExit("trie-micro's prefix-pygtrie variant needs pygtrie: pip install 'lb[bench]'") from None
         self.trie = pygtrie.Trie()
         self.max_nodes = 0
         self.evictions = 0

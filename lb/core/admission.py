@@ -11,8 +11,7 @@ peer region that can meet the tier → reject early with Retry-After and the rea
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from .tiers import TIER_RANK, TierConfig
@@ -150,19 +149,6 @@ def _degraded_tokens(est: Estimate, e2e_target: float, cfg: AdmissionConfig) -> 
         return None
     budget = int((e2e_target - est.ttft_s) * cfg.decode_tps)
     return budget if budget >= cfg.min_degraded_tokens else None
-
-
-@dataclass
-class AdmissionCounters:
-    """Admits, degrades, redirects and rejects by reason, for /metrics and reports."""
-
-    counts: Counter = field(default_factory=Counter)
-
-    def record(self, decision: Admission) -> None:
-        self.counts[(decision.action, decision.reason)] += 1
-
-    def total(self, action: str) -> int:
-        return sum(n for (a, _), n in self.counts.items() if a == action)
 
 
 class ServiceRate:

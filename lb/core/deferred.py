@@ -8,11 +8,10 @@ regardless (promoted) so batch deadlines are met under sustained interactive loa
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
+from .queueing import StaticKeyQueue
 from .tiers import TierConfig
 from .types import QueueEntry, ReplicaView, RequestFacts, Tier
 
@@ -77,38 +76,25 @@ class Release:
     promoted: bool  # released by age or deadline, not by spare capacity
 
 
-class DeferredQueue:
-    """Earliest E2E deadline first."""
+class DeferredQueue(StaticKeyQueue):
+    """Earliest E2E deadline first: the LB queue's heap (`StaticKeyQueue`), bounded."""
+
+    name = "deferred"
 
     def __init__(self, cfg: DeferredConfig | None = None, tiers: TierConfig | None = None):
+        super().__init__()
         self.cfg = cfg or DeferredConfig()
         self.tiers = tiers or TierConfig()
-        self._heap: list[tuple[float, int, QueueEntry]] = []
-        self._live: set[QueueEntry] = set()
-        self._seq = itertools.count()
+
+    def key(self, entry: QueueEntry) -> object:
+        return self.tiers.e2e_deadline(entry.facts)
 
     def push(self, entry: QueueEntry) -> None:
-        if entry in self._live:
+        if entry in self:
             raise ValueError("entry is already deferred")
-        if len(self._live) >= self.cfg.max_entries:
+        if len(self) >= self.cfg.max_entries:
             raise OverflowError(f"deferred queue is full ({self.cfg.max_entries})")
-        self._live.add(entry)
-        heapq.heappush(self._heap, (self.tiers.e2e_deadline(entry.facts), next(self._seq), entry))
-
-    def remove(self, entry: QueueEntry) -> bool:
-        if entry not in self._live:
-            return False
-        self._live.discard(entry)
-        return True
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, entry: QueueEntry) -> bool:
-        return entry in self._live
-
-    def __iter__(self) -> Iterator[QueueEntry]:
-        return (e for _, _, e in sorted(self._heap) if e in self._live)
+        super().push(entry)
 
     def capacity_releases(self, kv_utilization: float) -> int:
         if kv_utilization < self.cfg.release_two_below:
@@ -123,28 +109,15 @@ class DeferredQueue:
 
     def release(self, now: float, kv_utilization: float) -> list[Release]:
         """One signal: promoted entries, then up to 1-2 more by spare capacity."""
-        out = [Release(e, True) for e in self if self.promoted(e, now)]
+        out = [Release(e, True) for e in self.iter_in_order(now) if self.promoted(e, now)]
         for r in out:
-            self._live.discard(r.entry)
-        budget = self.capacity_releases(kv_utilization)
-        while budget > 0 and self._live:
-            entry = self._pop_earliest()
+            self.remove(r.entry)
+        for _ in range(self.capacity_releases(kv_utilization)):
+            entry = self.pop(now)
+            if entry is None:
+                break
             out.append(Release(entry, False))
-            budget -= 1
-        self._compact()
         return out
-
-    def _pop_earliest(self) -> QueueEntry:
-        while True:
-            _, _, entry = heapq.heappop(self._heap)
-            if entry in self._live:
-                self._live.discard(entry)
-                return entry
-
-    def _compact(self) -> None:
-        if len(self._heap) > 2 * len(self._live) + 16:
-            self._heap = [item for item in self._heap if item[2] in self._live]
-            heapq.heapify(self._heap)
 
 
 def to_record(entry: QueueEntry) -> dict:

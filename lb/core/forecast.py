@@ -5,7 +5,7 @@ What is forecast: prompt tokens and output tokens per window, one series each pe
 
 Model choice — additive Holt-Winters (statsmodels `ExponentialSmoothing`, daily season of
 144 windows, no trend), measured on the ServeGen m-small aggregate (43 clients, 7 days),
-forecasting the held-out day(s) (`python -m lb.core.forecast --eval bench/data/servegen/m-small`):
+forecasting the held-out day(s) (`python -m lb.daemon.forecast_cli --eval bench/data/servegen/m-small`):
 
     train 6 days, test day 7              mean APE   max APE   fit
     Holt-Winters additive, 1-step            2.9 %     11.8 %   0.5 s
@@ -177,22 +177,6 @@ class ServiceForecaster:
                 forecast(output, horizon, self.season, self.method))
 
 
-def load_servegen_aggregate(folder: str) -> list[float]:
-    """Requests per 10-min window summed over every ServeGen client file in `folder`."""
-    import csv
-    import glob
-    import os
-    total: list[float] = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
-        with open(path, newline="") as f:
-            rates = [float(row[1] or 0.0) for row in csv.reader(f) if row]
-        if len(total) < len(rates):
-            total.extend([0.0] * (len(rates) - len(total)))
-        for i, r in enumerate(rates):
-            total[i] += r * WINDOW_S
-    return total
-
-
 def evaluate(series: Sequence[float], train_windows: int, season: int = SEASON) -> dict:
     """Mean/max APE of each method on `series[train_windows:]`."""
     actual = list(series[train_windows:])
@@ -204,32 +188,3 @@ def evaluate(series: Sequence[float], train_windows: int, season: int = SEASON) 
         out["holt-winters 1-step"] = ape_stats(actual, one_step_ahead(series, train_windows, season))
     out["seasonal-naive day-ahead"] = ape_stats(actual, seasonal_naive(train, len(actual), season).values)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    p = argparse.ArgumentParser(prog="python -m lb.core.forecast",
-                                description="Report forecast APE on held-out days of a ServeGen folder.")
-    p.add_argument("--eval", required=True, metavar="DIR", help="ServeGen folder of chunk-*-trace.csv")
-    p.add_argument("--train-days", type=int, nargs="*", default=[5, 6])
-    args = p.parse_args(argv)
-    try:
-        series = load_servegen_aggregate(args.eval)
-    except (OSError, ValueError, IndexError) as e:  # a corrupt file: one line, no traceback
-        print(f"python -m lb.core.forecast: cannot read {args.eval}: {e}", file=sys.stderr)
-        return 2
-    if not series:
-        print(f"no ServeGen traces under {args.eval}")
-        return 1
-    print(f"ServeGen aggregate: {len(series)} windows of 10 min ({len(series) / SEASON:.1f} days)")
-    print(f"{'train days':>10}  {'method':<28} {'mean APE %':>10} {'max APE %':>10}")
-    for days in args.train_days:
-        for name, (mean, worst) in evaluate(series, days * SEASON).items():
-            print(f"{days:>10}  {name:<28} {mean:>10.1f} {worst:>10.1f}")
-    print("PreServe Table 1: ~8 % for its model; ARIMA on bursty code traffic 26-59 %")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

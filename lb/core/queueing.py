@@ -1,9 +1,21 @@
-"""The LB queue. With selective pushing requests wait here, so this order *is* the schedule.
+"""The LB queue and its orders. With selective pushing requests wait here, so this order
+*is* the schedule.
 
-Every order implements `QueueOrder` (push / pop / peek / remove / len / iter) plus
-`iter_in_order(now)`, which the dispatcher walks to take the first entry it can place: a
-head whose model has no free replica must not block the entries behind it. Orders register
-by config name in `QUEUE_ORDERS`; `make_queue(name, **options)` builds one.
+Every order implements push / pop / peek / remove / dispatch / len / iter plus
+`iter_in_order(now)`, which the scheduler walks (`walk`) to take the first entry it can
+place: a head whose model has no free replica must not block the entries behind it. Orders
+register by config name in `QUEUE_ORDERS`; `make_queue(name, tiers=..., service=...,
+in_progress=...)` builds one, handing it the context it uses.
+
+- `fcfs`: arrival order (a retry keeps the place it arrived with).
+- `wsc` / `vtc`: least-served user first (FairServe WSC, VTC baseline), per-user FIFO.
+- `edf`: earliest TTFT deadline first (an expired request has the earliest deadline).
+- `pf`: tier first (IW-F strictly before IW-N before NIW), FIFO within a tier.
+- `dpa`: SageServe's deadline- and priority-aware classes (see `dpa_class`).
+- `srpt`: weighted shortest remaining work first, with aging so nothing starves.
+
+Taking an entry out to run it is `pop(now)` or `dispatch(entry)`; for WSC/VTC that is where
+the service counter is charged (`remove` is for entries that leave without running).
 
 Two bases to extend from:
   FCFSQueue       arrival order, O(1) per operation (an OrderedDict is a linked hash list).
@@ -19,7 +31,9 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from lb.core.types import QueueEntry, RequestFacts
+from lb.core.fairness import WeightedService, WscConfig
+from lb.core.tiers import TIER_RANK, TierConfig
+from lb.core.types import QueueEntry, RequestFacts, Tier
 
 
 class QueueOrderBase:
@@ -86,7 +100,7 @@ class QueueOrderBase:
 class FCFSQueue(QueueOrderBase):
     name = "fcfs"
 
-    def __init__(self) -> None:
+    def __init__(self, **_) -> None:
         self._entries: OrderedDict[QueueEntry, None] = OrderedDict()
 
     def push(self, entry: QueueEntry) -> None:
@@ -186,13 +200,205 @@ class StaticKeyQueue(QueueOrderBase):
         return entry in self._live
 
 
-QUEUE_ORDERS: dict[str, Callable[..., QueueOrderBase]] = {"fcfs": FCFSQueue}
+class EDFQueue(StaticKeyQueue):
+    name = "edf"
+
+    def __init__(self, tiers: TierConfig | None = None, **_):
+        super().__init__()
+        self.tiers = tiers or TierConfig()
+
+    def key(self, entry: QueueEntry) -> object:
+        return self.tiers.ttft_deadline(entry.facts)
 
 
-def make_queue(name: str, **options) -> QueueOrderBase:
+class PFQueue(StaticKeyQueue):
+    name = "pf"
+
+    def __init__(self, **_):
+        super().__init__()
+
+    def key(self, entry: QueueEntry) -> object:
+        return (TIER_RANK[entry.facts.tier], entry.enqueued_at)
+
+
+class SRPTQueue(StaticKeyQueue):
+    """Weighted SRPT: work = prefill_weight·prompt + expected output, divided by the tier's
+    weight, minus `aging_per_s` per second waited. The credit grows alike for everyone, so
+    work + aging·enqueued_at orders the queue the same at every `now`: a static key."""
+
+    name = "srpt"
+
+    def __init__(self, tier_weights: dict | None = None, prefill_weight: float = 0.1,
+                 default_output: int = 256, aging_per_s: float = 100.0, **_):
+        super().__init__()
+        self.tier_weights = tier_weights or {Tier.IW_F: 4.0, Tier.IW_N: 2.0, Tier.NIW: 1.0}
+        self.prefill_weight = prefill_weight
+        self.default_output = default_output
+        self.aging_per_s = aging_per_s
+
+    def key(self, entry: QueueEntry) -> object:
+        f = entry.facts
+        output = f.max_tokens if f.max_tokens is not None else self.default_output
+        work = self.prefill_weight * f.prompt_tokens + output
+        return work / self.tier_weights[f.tier] + self.aging_per_s * entry.enqueued_at
+
+
+# DPA classes, in the order they are served.
+SEVERELY_EXPIRED, URGENT_F, URGENT_N, RELAXED_F, RELAXED_N, RECENTLY_EXPIRED = range(6)
+
+
+def dpa_class(tier: Tier, slack_s: float, tau_n_s: float, tau_p_s: float) -> int:
+    """SageServe DPA; slack = time left to the TTFT deadline. Past it by more than τp:
+    severely expired, served first (it has waited far too long); past it by less: recently
+    expired, served last (its SLO is lost while a live one can still be saved); under τn
+    left: urgent. NIW ranks as IW-N."""
+    if slack_s < -tau_p_s:
+        return SEVERELY_EXPIRED
+    if slack_s < 0:
+        return RECENTLY_EXPIRED
+    fast = tier is Tier.IW_F
+    if slack_s < tau_n_s:
+        return URGENT_F if fast else URGENT_N
+    return RELAXED_F if fast else RELAXED_N
+
+
+class _MembershipQueue(QueueOrderBase):
+    """Entries in push order with O(1) membership; subclasses decide the order."""
+
+    def __init__(self) -> None:
+        self._seq: dict[QueueEntry, int] = {}
+        self._next = 0
+
+    def push(self, entry: QueueEntry) -> None:
+        if entry in self._seq:
+            raise ValueError("entry is already queued")
+        self._seq[entry] = self._next
+        self._next += 1
+
+    def remove(self, entry: QueueEntry) -> bool:
+        return self._seq.pop(entry, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def __contains__(self, entry: QueueEntry) -> bool:
+        return entry in self._seq
+
+    def _walk(self, ordered: list[QueueEntry]) -> Iterator[QueueEntry]:
+        for entry in ordered:  # the caller may remove while iterating
+            if entry in self._seq:
+                yield entry
+
+
+class DPAQueue(_MembershipQueue):
+    """Classes move with `now`, so the order is computed when asked (O(n) peek)."""
+
+    name = "dpa"
+
+    def __init__(self, tiers: TierConfig | None = None, **_):
+        super().__init__()
+        self.tiers = tiers or TierConfig()
+
+    def _key(self, entry: QueueEntry, now: float) -> tuple:
+        deadline = self.tiers.ttft_deadline(entry.facts)
+        cls = dpa_class(entry.facts.tier, deadline - now, self.tiers.tau_n_s, self.tiers.tau_p_s)
+        return (cls, deadline, self._seq[entry])
+
+    def peek(self, now: float) -> QueueEntry | None:
+        return min(self._seq, key=lambda e: self._key(e, now), default=None)
+
+    def iter_in_order(self, now: float) -> Iterator[QueueEntry]:
+        return self._walk(sorted(self._seq, key=lambda e: self._key(e, now)))
+
+
+def mid_interaction(facts: RequestFacts, now: float) -> bool:
+    """Default in-progress test: the client says this is a later stage of an interaction
+    (the daemon passes `InteractionLedger.in_progress` to also know what it dispatched)."""
+    return facts.interaction_id is not None and (facts.interaction_stage or 0) > 0
+
+
+class WSCQueue(_MembershipQueue):
+    """Least-served user first; within a user, calls of interactions in progress first, then
+    FIFO. A user becoming active is lifted to the least active counter when it pushes —
+    unless the call continues an interaction in progress: a user between the stages of an
+    interaction is not idle, and lifting it there would hand the interaction's next stage to
+    the back of a flooding user's line at every stage. Ties go to the user with fewer calls
+    running, so a lifted newcomer is not queued behind the user it was lifted to."""
+
+    name = "wsc"
+
+    def __init__(self, service: WeightedService | None = None,
+                 in_progress: Callable[[RequestFacts, float], bool] | None = None, **_):
+        super().__init__()
+        self.service = service or WeightedService()
+        self.in_progress = in_progress or mid_interaction
+        self._by_user: dict[str, dict[QueueEntry, None]] = {}
+
+    def push(self, entry: QueueEntry) -> None:
+        super().push(entry)
+        user = self.service.user_of(entry.facts)
+        if user not in self._by_user:
+            if not self.service.is_active(user) and not self.in_progress(entry.facts, entry.enqueued_at):
+                self.service.lift(user, [*self._by_user, *self.service.inflight])
+            self._by_user[user] = {}
+        self._by_user[user][entry] = None
+
+    def remove(self, entry: QueueEntry) -> bool:
+        if not super().remove(entry):
+            return False
+        user = self.service.user_of(entry.facts)
+        del self._by_user[user][entry]
+        if not self._by_user[user]:
+            del self._by_user[user]
+        return True
+
+    def dispatch(self, entry: QueueEntry) -> bool:
+        """Take `entry` out to run it: charge its user's counter with the estimate."""
+        if not self.remove(entry):
+            return False
+        self.service.charge(entry.facts)
+        return True
+
+    def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
+        self.service.complete(facts, input_tokens=input_tokens, output_tokens=output_tokens)
+
+    def _user_key(self, user: str) -> tuple:
+        # ties: the user with fewer calls running, then whose oldest waiting entry came first
+        return (self.service.get(user), self.service.inflight.get(user, 0), self._seq[next(iter(self._by_user[user]))])
+
+    def _user_entries(self, user: str, now: float) -> list[QueueEntry]:
+        entries = list(self._by_user[user])
+        return [e for e in entries if self.in_progress(e.facts, now)] + [e for e in entries if not self.in_progress(e.facts, now)]
+
+    def peek(self, now: float) -> QueueEntry | None:
+        if not self._by_user:
+            return None
+        entries = self._by_user[min(self._by_user, key=self._user_key)]
+        return next((e for e in entries if self.in_progress(e.facts, now)), next(iter(entries)))
+
+    def iter_in_order(self, now: float) -> Iterator[QueueEntry]:
+        return self._walk([e for u in sorted(self._by_user, key=self._user_key) for e in self._user_entries(u, now)])
+
+
+class VTCQueue(WSCQueue):
+    """VTC baseline: equal token service (no app/stage weights, no priority factors) and no
+    preference for interactions in progress."""
+
+    name = "vtc"
+
+    def __init__(self, service: WeightedService | None = None, **_):
+        super().__init__(service or WeightedService(WscConfig(alpha=1, beta=1, gamma=1, weighted=False)),
+                         in_progress=lambda facts, now: False)
+
+
+QUEUE_ORDERS: dict[str, Callable[..., QueueOrderBase]] = {
+    q.name: q for q in (FCFSQueue, WSCQueue, VTCQueue, EDFQueue, PFQueue, DPAQueue, SRPTQueue)}
+
+
+def make_queue(name: str, *, tiers: TierConfig | None = None, service: WeightedService | None = None,
+               in_progress: Callable[[RequestFacts, float], bool] | None = None) -> QueueOrderBase:
+    """The order called `name` in config, handed the context it uses (tier deadlines, the
+    service counters it charges, the interaction ledger's in-progress test)."""
     if name not in QUEUE_ORDERS:
         raise ValueError(f"unknown queue order {name!r}; choose one of {', '.join(sorted(QUEUE_ORDERS))}")
-    return QUEUE_ORDERS[name](**options)
-
-# The fair and SLO-aware orders (wsc, vtc, edf, pf, dpa, srpt) register themselves here.
-from lb.core import orders as _orders  # noqa: E402,F401  (import cycle by design: after QUEUE_ORDERS)
+    return QUEUE_ORDERS[name](tiers=tiers, service=service, in_progress=in_progress)

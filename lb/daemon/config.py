@@ -27,7 +27,6 @@ from lb.core.deferred import DeferredConfig
 from lb.core.discovery import DiscoveryConfig
 from lb.core.fairness import FairnessConfig
 from lb.core.identity import IdentityConfig
-import lb.core.orders  # noqa: F401  (registers the fair and tiered queue orders by name)
 from lb.core.peering import PeerConfig, PeeringConfig, peers_from_list
 from lb.core.planner import PLANNER_KEYS
 from lb.core.policies import make_policy

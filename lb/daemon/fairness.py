@@ -13,7 +13,7 @@ from lb.core.admission import ServiceRate
 from lb.core.fairness import (InteractionLedger, OverloadDetector, WeightedService, WscConfig, rate_limits,
                               throttle_decision)
 from lb.core.identity import IdentityError, parse_identity
-from lb.core.orders import make_order
+from lb.core.queueing import make_queue
 from lb.core.tenant_stats import TenantStats
 from lb.core.types import RequestFacts
 from lb.daemon.errors import LBError
@@ -34,7 +34,7 @@ class Fairness:
         self.tenants = TenantStats(cfg.fairness.tenant_labels, cfg.fairness.tenant_half_life_s, LATENCY_BUCKETS)
 
     def make_queue(self):
-        return make_order(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
+        return make_queue(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
                           in_progress=self.ledger.in_progress)
 
     def identify(self, headers: Mapping[str, str], doc: dict, facts: RequestFacts) -> RequestFacts:

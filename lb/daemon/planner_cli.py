@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from lb.core import forecast as fc
+from lb.daemon.forecast_cli import load_servegen_aggregate
 from lb.core.planner import (IlpInput, Throughput, WindowStats, burst_rate, plan_ilp, preserve_instances,
                              profile_throughput, warm_pool_size)
 
@@ -65,7 +66,7 @@ def read_history(path: str, window_s: float) -> dict[Pool, list[dict]]:
 
 def servegen_history(folder: str, prompt_per_req: float, output_per_req: float,
                      pool: Pool = ("derived", "servegen")) -> dict[Pool, list[dict]]:
-    reqs = fc.load_servegen_aggregate(folder)
+    reqs = load_servegen_aggregate(folder)
     return {pool: [{"prompt_tokens": r * prompt_per_req, "output_tokens": r * output_per_req}
                                       for r in reqs]}
 

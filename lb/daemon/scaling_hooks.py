@@ -422,9 +422,3 @@ class ScalingConfig:
         if cfg.niw_per_replica < 1 or cfg.kv_capacity_tokens < 1:
             raise ValueError(f"{path}: niw_per_replica and kv_capacity_tokens must be >= 1")
         return cfg
-
-
-def from_config(table: dict, on_change: ReplicaChange | None = None) -> ScalingHooks:
-    """Build from the `[scaling]` table: `min_interval_s` and `[[scaling.actuators]]`."""
-    actuators = [make_actuator(t, on_change) for t in table.get("actuators", [])]
-    return ScalingHooks(actuators, min_interval_s=float(table.get("min_interval_s", 30.0)))

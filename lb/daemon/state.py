@@ -132,9 +132,6 @@ class RedisStore:
         values = await self._redis.mget([self.prefix + k for k in keys])
         return {k: float(v) for k, v in zip(keys, values) if v is not None}
 
-    async def ping(self) -> bool:
-        return bool(await self._redis.ping())
-
     async def close(self) -> None:
         await self._redis.aclose()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.admission import AdmissionConfig, AdmissionCounters, Load, decide, estimate
+from lb.core.admission import AdmissionConfig, Load, decide, estimate
 from lb.core.tiers import TierConfig, TierTarget
 from lb.core.types import RequestFacts, Tier
 
@@ -72,14 +72,6 @@ def test_disabled_or_niw_is_never_judged():
     swamped = Load(tokens_ahead=1e9, service_tps=1.0)
     assert decide(req(), swamped, AdmissionConfig(enabled=False), TIERS).action == "admit"
     assert decide(req(tier=Tier.NIW), swamped, CFG, TIERS).action == "admit"
-
-
-def test_counters_by_action_and_reason():
-    c = AdmissionCounters()
-    for load in (IDLE, IDLE, Load(20_000, 1000.0)):
-        c.record(decide(req(), load, CFG, TIERS))
-    assert c.total("admit") == 2 and c.total("reject") == 1
-    assert c.counts[("reject", "ttft-infeasible")] == 1
 
 
 def test_config_from_dict():

@@ -85,7 +85,9 @@ def test_core_imports_no_numeric_stack():
 
 
 def test_servegen_held_out_day_ape_is_sane():
-    series = fc.load_servegen_aggregate(str(SERVEGEN))
+    from lb.daemon.forecast_cli import load_servegen_aggregate
+
+    series = load_servegen_aggregate(str(SERVEGEN))
     assert len(series) == 7 * fc.SEASON
     train = 6 * fc.SEASON
     result = fc.evaluate(series, train)

@@ -9,7 +9,6 @@ from lb.core.fairness import WeightedService
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.queueing import make_queue
-from lb.core.orders import make_order
 from lb.core.scheduler import QUEUE_FULL, SHUTTING_DOWN, Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 
@@ -89,7 +88,7 @@ def test_head_for_a_busy_model_does_not_block_the_rest():
 
 def test_wsc_is_charged_when_the_scheduler_takes_an_entry_out():
     service = WeightedService()
-    s = sched(queue=make_order("wsc", service=service))
+    s = sched(queue=make_queue("wsc", service=service))
     s.admit(entry("a1", user="alice"), NOW)
     s.admit(entry("b1", user="bob"), NOW)
     s.withdraw(next(iter(s.queue)))  # leaving without running charges nobody
