@@ -17,7 +17,6 @@ from typing import Mapping
 from .tiers import TIER_RANK, TierConfig
 from .types import RequestFacts, Tier
 
-DEGRADED_HEADER = "x-lb-degraded"
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,12 @@ def estimate(facts: RequestFacts, load: Load, output_tokens: float, cfg: Admissi
     return Estimate(wait, ttft, ttft + output_tokens / cfg.decode_tps)
 
 
+# Why a request is rejected: no replica can serve it at all, or none in time for any tier
+# (the daemon answers the first 503, the second 429; lb/daemon/admission_gate.py).
+NO_CAPACITY = "no-capacity"
+TTFT_INFEASIBLE = "ttft-infeasible"
+
+
 @dataclass(frozen=True)
 class Admission:
     action: str  # admit | degrade | redirect | reject
@@ -86,25 +91,16 @@ class Admission:
     estimate: Estimate
     max_tokens: int | None = None  # degrade: the lowered limit to forward
     target: str | None = None  # redirect: the peer id
-    status: int = 200  # reject: 429 (too much load now) or 503 (no capacity at all)
-    retry_after_s: int = 0
+    retry_after_s: int = 0  # reject: when a retry may fare better
 
-    def headers(self) -> dict[str, str]:
-        if self.action == "degrade":
-            parts = [f"reason={self.reason}"]
-            if self.max_tokens is not None:
-                parts.insert(0, f"max_tokens={self.max_tokens}")
-            parts.append(f"tier={self.tier.value}")
-            return {DEGRADED_HEADER: "; ".join(parts)}
-        if self.action == "reject":
-            return {"Retry-After": str(self.retry_after_s)}
-        return {}
-
-    def to_openai(self) -> dict:
-        return {"error": {"message": f"Request cannot meet its SLO: {self.reason} "
-                                     f"(estimated TTFT {self.estimate.ttft_s:.2f}s). Retry after {self.retry_after_s}s.",
-                          "type": "server_error" if self.status == 503 else "requests",
-                          "param": None, "code": "slo_infeasible"}}
+    @property
+    def degraded(self) -> str:
+        """What a degrade changed, `max_tokens=N; reason=...; tier=...` (the daemon sends it
+        back to the client as a header)."""
+        parts = [f"reason={self.reason}", f"tier={self.tier.value}"]
+        if self.max_tokens is not None:
+            parts.insert(0, f"max_tokens={self.max_tokens}")
+        return "; ".join(parts)
 
 
 def decide(facts: RequestFacts, local: Load, cfg: AdmissionConfig, tiers: TierConfig, *,
@@ -138,10 +134,10 @@ def decide(facts: RequestFacts, local: Load, cfg: AdmissionConfig, tiers: TierCo
             if fewer is not None:
                 return Admission("degrade", "tier-relaxed", tier, est, max_tokens=fewer)
     if math.isinf(est.wait_s):
-        return Admission("reject", "no-capacity", facts.tier, est, status=503, retry_after_s=cfg.max_retry_after_s)
+        return Admission("reject", NO_CAPACITY, facts.tier, est, retry_after_s=cfg.max_retry_after_s)
     loosest = max((tiers.target(t).ttft_s for t in tiers.targets if t is not Tier.NIW), default=own.ttft_s)
     retry = min(cfg.max_retry_after_s, max(1, math.ceil(est.ttft_s - loosest)))
-    return Admission("reject", "ttft-infeasible", facts.tier, est, status=429, retry_after_s=retry)
+    return Admission("reject", TTFT_INFEASIBLE, facts.tier, est, retry_after_s=retry)
 
 
 def _degraded_tokens(est: Estimate, e2e_target: float, cfg: AdmissionConfig) -> int | None:

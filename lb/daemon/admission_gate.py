@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from lb.core.admission import Load, decide, tokens_of
+from lb.core.admission import NO_CAPACITY, Admission, Load, decide, tokens_of
 from lb.core.deferred import DeferredQueue, effective_kv_utilization
 from lb.core.tiers import engine_priority
 from lb.core.types import QueueEntry, RequestFacts, Tier
@@ -37,6 +37,17 @@ log = logging.getLogger("lb.admission")
 RESPONSE_HEADERS = "lb_response_headers"  # request key: headers every response to it carries
 REWRITTEN = "lb_body_rewritten"  # request key: the parsed body differs from the bytes received
 OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")
+DEGRADED_HEADER = "x-lb-degraded"  # what a degrade changed, on the answer
+
+
+def rejection(decision: Admission) -> LBError:
+    """A rejected admission as the client's answer: 503 when nothing can serve it at all,
+    429 when nothing can serve it in time now; Retry-After either way."""
+    status = 503 if decision.reason == NO_CAPACITY else 429
+    return LBError(status, f"Request cannot meet its SLO: {decision.reason} (estimated TTFT "
+                           f"{decision.estimate.ttft_s:.2f}s). Retry after {decision.retry_after_s}s.",
+                   code="slo_infeasible", retry_after=decision.retry_after_s,
+                   headers={"x-lb-reject-reason": decision.reason})
 
 
 async def add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -124,11 +135,9 @@ class Gate:
                               expected_output=self.fairness.service.expected_output(facts))
             self.decisions.labels(decision.action, decision.reason).inc()
             if decision.action == "reject":
-                err = decision.to_openai()["error"]
-                raise LBError(decision.status, err["message"], code=err["code"], retry_after=decision.retry_after_s,
-                              headers={"x-lb-reject-reason": decision.reason})
+                raise rejection(decision)
             if decision.action == "degrade":
-                request[RESPONSE_HEADERS] = {**request.get(RESPONSE_HEADERS, {}), **decision.headers()}
+                request[RESPONSE_HEADERS] = {**request.get(RESPONSE_HEADERS, {}), DEGRADED_HEADER: decision.degraded}
                 if decision.max_tokens is not None:
                     field = next((f for f in OUTPUT_FIELDS if f in doc), "max_tokens")
                     doc[field] = decision.max_tokens

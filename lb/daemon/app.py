@@ -27,7 +27,7 @@ from lb.daemon.admission_gate import add_response_headers
 from lb.daemon.config import Config, ConfigError, ReplicaConfig
 from lb.daemon.discovery import Discovery
 from lb.daemon.dispatch import Dispatcher
-from lb.daemon.errors import LBError, error_body
+from lb.daemon.errors import LBError, answer_errors, error_body
 from lb.daemon.fairness import TenantCollector
 from lb.daemon.jobs import add_routes as add_job_routes
 from lb.daemon.metrics import Metrics
@@ -162,7 +162,7 @@ def _json(doc: object, status: int = 200) -> web.Response:
 
 
 def build_app(cfg: Config) -> web.Application:
-    app = web.Application(client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(client_max_size=cfg.server.max_body_bytes, middlewares=[answer_errors])
     app.on_response_prepare.append(add_response_headers)  # e.g. x-lb-degraded
     app.on_response_prepare.append(_no_banner)
     routes = web.RouteTableDef()
@@ -209,43 +209,33 @@ def build_app(cfg: Config) -> web.Application:
 
     @routes.get("/admin/replicas")
     async def list_replicas(request: web.Request) -> web.Response:
-        try:
-            check_admin(request)
-        except LBError as e:
-            return e.response()
+        check_admin(request)
         return _json({"replicas": [replica_json(r) for r in lb_of(request).registry.replicas.values()]})
 
     @routes.post("/admin/replicas")
     async def add_replica(request: web.Request) -> web.Response:
         lb = lb_of(request)
+        check_admin(request)
         try:
-            check_admin(request)
-            try:
-                doc = orjson.loads(await request.read())
-                rc = config_mod.from_dict({"replicas": [doc]}).replicas[0]
-            except (orjson.JSONDecodeError, ConfigError) as e:
-                raise LBError(400, f"bad replica: {e}", code="invalid_replica")
-            await _check_not_denied(rc.url, lb.cfg.server.admin_replica_deny)
-            try:
-                rep = lb.registry.add(rc)
-            except KeyError as e:
-                raise LBError(409, str(e.args[0]), code="replica_exists")
-        except LBError as e:
-            return e.response()
+            doc = orjson.loads(await request.read())
+            rc = config_mod.from_dict({"replicas": [doc]}).replicas[0]
+        except (orjson.JSONDecodeError, ConfigError) as e:
+            raise LBError(400, f"bad replica: {e}", code="invalid_replica")
+        await _check_not_denied(rc.url, lb.cfg.server.admin_replica_deny)
+        try:
+            rep = lb.registry.add(rc)
+        except KeyError as e:
+            raise LBError(409, str(e.args[0]), code="replica_exists")
         return _json(replica_json(rep), 201)
 
     @routes.delete("/admin/replicas/{id}")
     async def remove_replica(request: web.Request) -> web.Response:
         lb = lb_of(request)
-        try:
-            check_admin(request)
-        except LBError as e:
-            return e.response()
+        check_admin(request)
         rid = request.match_info["id"]
         rep = lb.registry.get(rid)
         if rep is None or not lb.registry.remove(rid):
-            return web.Response(status=404, content_type="application/json",
-                                body=error_body(f"no active replica {rid!r}", 404, code="replica_not_found"))
+            raise LBError(404, f"no active replica {rid!r}", code="replica_not_found")
         return _json({**replica_json(rep), "status": "draining" if rep.view.outstanding else "removed"}, 202)
 
     add_job_routes(routes, lambda request: lb_of(request).proxy.jobs)  # /v1/lb/jobs (durable batch)

@@ -43,6 +43,16 @@ class LBError(Exception):
                             body=error_body(self.message, self.status, param=self.param, code=self.code))
 
 
+@web.middleware
+async def answer_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every handler's `LBError` becomes its OpenAI-shaped answer here, in one place (the
+    proxy answers its own first, to account and log them; admin and the rest raise)."""
+    try:
+        return await handler(request)
+    except LBError as e:
+        return e.response(request.headers.get("X-Request-Id"))
+
+
 def normalize_upstream_error(status: int, body: bytes) -> bytes:
     """An engine's error body in the OpenAI shape, keeping its message, type, param and code."""
     try:

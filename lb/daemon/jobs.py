@@ -226,16 +226,13 @@ class Jobs:
         """`GET /v1/lb/jobs/{id}`: another tenant's job (with API keys configured) is a 404 too."""
         job_id = request.match_info["id"]
         job = self.jobs.get(job_id)
-        try:
-            if job is not None and self.cfg.identity.api_keys:
-                fairness = self.proxy.dispatcher.fairness
-                who = fairness.identify(request.headers, {}, RequestFacts(request_id="", model=""))
-                if who.user != job.identity.get("user"):
-                    job = None
-            if job is None:
-                raise LBError(404, f"no job {job_id!r}", code="job_not_found", param="id")
-        except LBError as e:
-            return e.response()
+        if job is not None and self.cfg.identity.api_keys:
+            fairness = self.proxy.dispatcher.fairness
+            who = fairness.identify(request.headers, {}, RequestFacts(request_id="", model=""))
+            if who.user != job.identity.get("user"):
+                job = None
+        if job is None:  # LBError answers through lb.daemon.errors.answer_errors
+            raise LBError(404, f"no job {job_id!r}", code="job_not_found", param="id")
         return web.Response(body=orjson.dumps(job.view()), content_type="application/json")
 
     def durable(self, request: web.Request) -> bool:

@@ -250,9 +250,9 @@ class Peers:
         try:
             verify(self.pc.secret, request.headers, request.method, request.path_qs, self.pc.max_clock_skew_s,
                    self.nonces)
-        except LBError as e:
+        except LBError:
             self.auth_failures.labels("status").inc()
-            return e.response()
+            raise  # answered by lb.daemon.errors.answer_errors
         return web.Response(body=orjson.dumps(self.status_doc()), content_type="application/json")
 
     # -- probes and failover -------------------------------------------------------------------
