@@ -64,6 +64,7 @@ class LB:
         self.peers = Peers(cfg, self.registry, self.dispatcher, self.metrics)  # cross-region (issue 4)
         self.proxy.peering = self.peers
         self.discovery = Discovery(cfg.discovery, self.registry)  # Kubernetes / DNS replica sources
+        self.metrics.registry.register(self.discovery)  # lb_discovery_*
 
     async def start(self) -> None:
         await self.prober.start()

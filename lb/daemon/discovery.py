@@ -23,6 +23,7 @@ import random
 from typing import Mapping
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lb.core.discovery import DiscoveryConfig, Endpoint, EndpointSlices, diff, dns_endpoints
 from lb.daemon.config import ReplicaConfig
@@ -70,7 +71,8 @@ class KubernetesSource:
     def __init__(self, cfg: DiscoveryConfig, registry: Registry, source: str):
         self.cfg, self.registry, self.source = cfg, registry, source
         self.slices = EndpointSlices(cfg)
-        self.relists = 0  # lists done (the first one included)
+        self.lists = 0  # lists done (the first one included): lb_discovery_lists_total
+        self.errors = 0  # watches lost and API errors: lb_discovery_errors_total
 
     async def _client(self):
         from kubernetes_asyncio import client, config
@@ -109,12 +111,14 @@ class KubernetesSource:
                     raise
                 except ApiException as e:
                     relist = True
+                    self.errors += 1
                     if e.status == 410:
                         log.info("%s: 410 Gone (resourceVersion too old); relisting", self.source)
                     else:
                         log.warning("%s: HTTP %s %s from the API server; relisting", self.source, e.status, e.reason)
                         await backoff.sleep()
                 except Exception as e:  # connection refused or cut: resume the watch (a 410 then relists)
+                    self.errors += 1
                     log.warning("%s: watch lost: %s: %.200s", self.source, type(e).__name__, e)
                     await backoff.sleep()
         finally:
@@ -126,7 +130,7 @@ class KubernetesSource:
         async with resp:
             doc = orjson.loads(await resp.read())
         self.slices.relist(doc.get("items") or (), (doc.get("metadata") or {}).get("resourceVersion", ""))
-        self.relists += 1
+        self.lists += 1
         sync(self.registry, self.source, self.slices.endpoints(), self.cfg.api_key)
 
     async def _watch(self, api, w) -> None:
@@ -147,7 +151,8 @@ class DnsSource:
         import dns.nameserver
 
         self.cfg, self.registry, self.source = cfg, registry, source
-        self.lookups = 0  # answered lookups
+        self.lists = 0  # answered lookups
+        self.errors = 0  # failed lookups (the current replicas were kept)
         if cfg.nameservers:
             self.resolver = dns.asyncresolver.Resolver(configure=False)
             servers = []
@@ -163,7 +168,7 @@ class DnsSource:
         while True:
             records = await self.resolve()
             if records is not None:
-                self.lookups += 1
+                self.lists += 1
                 sync(self.registry, self.source, dns_endpoints(records, self.cfg), self.cfg.api_key)
             await asyncio.sleep(self.cfg.interval_s)
 
@@ -191,6 +196,7 @@ class DnsSource:
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
         except (dns.exception.DNSException, OSError) as e:
+            self.errors += 1
             log.warning("%s: looking up %s %s failed (%s); keeping the current replicas", self.source,
                         self.cfg.record, self.cfg.name, type(e).__name__)
             return None
@@ -211,6 +217,7 @@ class Discovery:
     KINDS = {"kubernetes": KubernetesSource, "dns": DnsSource}
 
     def __init__(self, cfgs: tuple[DiscoveryConfig, ...], registry: Registry):
+        self.registry = registry
         self.sources = [self.KINDS[c.kind](c, registry, f"discovery[{i}]") for i, c in enumerate(cfgs)]
         self.tasks: list[asyncio.Task] = []
 
@@ -229,6 +236,24 @@ class Discovery:
                 log.error("%s (%s) failed: %s: %s; starting it again", source.source, source.cfg.kind,
                           type(e).__name__, e)
                 await backoff.sleep()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        """Prometheus collector: each source's replicas, lists (or answered lookups) and errors."""
+        labels = ["source", "kind"]
+        replicas = GaugeMetricFamily("lb_discovery_replicas", "Active replicas a discovery source holds", labels=labels)
+        lists = CounterMetricFamily("lb_discovery_lists", "Kubernetes lists (first and relists) or answered DNS lookups",
+                                    labels=labels)
+        errors = CounterMetricFamily("lb_discovery_errors", "Watches lost, API errors or failed DNS lookups",
+                                     labels=labels)
+        for s in self.sources:
+            key = [s.source, s.cfg.kind]
+            replicas.add_metric(key, sum(1 for r in self.registry.active() if r.source == s.source))
+            lists.add_metric(key, s.lists)
+            errors.add_metric(key, s.errors)
+        return [replicas, lists, errors]
 
     async def close(self) -> None:
         for t in self.tasks:

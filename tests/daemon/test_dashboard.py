@@ -77,3 +77,12 @@ def test_every_dashboard_query_names_metrics_lb_exports(tmp_path, procs):
     titles = " ".join(t for t, _, _ in qs).lower()
     for topic in ("queue", "push", "replica", "first token", "end to end", "cache hit", "peer", "tenant", "desired"):
         assert topic in titles, topic
+
+
+def test_dashboard_json_is_the_generator_output():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(DASHBOARD.parent / "make_dashboard.py")], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out == DASHBOARD.read_text(), "run: python deploy/grafana/make_dashboard.py > deploy/grafana/lb.json"

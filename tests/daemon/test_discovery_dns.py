@@ -9,7 +9,7 @@ import pytest
 
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
 from tests.daemon.test_reload_admin import finish, open_stream, replicas
-from tests.procs import PYTHON, Proc, free_port, lb_bench, poll
+from tests.procs import PYTHON, Proc, free_port, lb_bench, metric, poll
 
 pytest.importorskip("dns.asyncresolver", reason="the dns extra: pip install 'lb[dns]'")
 pytest.importorskip("dnslib", reason="the test extra: pip install 'lb[test]'")
@@ -95,6 +95,8 @@ def test_srv_records_followed_drained_kept_on_servfail_emptied_on_nxdomain(tmp_p
     seen = dns.queries()
     poll(lambda: dns.queries() >= seen + 5, what="lookups during the outage")
     assert set(replicas(d)) == left
+    assert metric(d.url, "lb_discovery_errors_total", source="discovery[0]", kind="dns") >= 1
+    assert metric(d.url, "lb_discovery_replicas", source="discovery[0]", kind="dns") == len(left)
     # The name is gone (NXDOMAIN): nothing left to serve.
     dns.set({})
     poll(lambda: not replicas(d), what="NXDOMAIN to empty the set")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.daemon.conftest import dead_url, http_json, needs_emulator, start_emulator, start_lb
 from tests.daemon.test_reload_admin import finish, open_stream, replicas
-from tests.procs import PYTHON, Proc, free_port, poll
+from tests.procs import PYTHON, Proc, free_port, metric, poll
 
 pytest.importorskip("kubernetes_asyncio", reason="the k8s extra: pip install 'lb[k8s]'")
 pytestmark = needs_emulator
@@ -119,6 +119,10 @@ def test_follows_endpointslices_drains_terminating_and_relists_after_410(setup, 
     assert stats["gone"] > gone_before and stats["lists"] >= 2
     poll(lambda: replicas(d)[target]["healthy"], what="the re-added replica healthy")
     assert set(replicas(d)) == {key(a), key(b)}
+    src = {"source": "discovery[0]", "kind": "kubernetes"}
+    assert metric(d.url, "lb_discovery_replicas", **src) == 2
+    assert metric(d.url, "lb_discovery_lists_total", **src) >= 2  # the first list and the relist
+    assert metric(d.url, "lb_discovery_errors_total", **src) >= 2  # the cut watch and the 410
 
     # The watch carries on after the relist: a deleted slice drains its replica.
     api.call("DELETE", f"/_control/slices/{NS}/sglang-a2")
