@@ -34,8 +34,28 @@ def output_text(n: int) -> str:
     return decode([FIXED_TOKEN] * n)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _encode_part(text: str) -> tuple[int, ...]:
+    return tuple(encode(text))
+
+
+_HEAD = "<|begin_of_text|>"
+_GENERATION = render_chat([])[len(_HEAD):]  # the assistant header that ends every prompt
+
+
+def encode_chat(messages: list[dict]) -> list[int]:
+    """`encode(render_chat(messages))`, message by message: every rendered message starts and
+    ends at a special token, which no piece straddles, so the parts encode independently and
+    a conversation's earlier messages (shared by every child and later turn) are cached."""
+    tokens = list(_encode_part(_HEAD))
+    for m in messages:
+        tokens.extend(_encode_part(render_chat([m])[len(_HEAD):-len(_GENERATION)]))
+    tokens.extend(_encode_part(_GENERATION))
+    return tokens
+
+
 def call_of(spec: RequestSpec, region: str) -> Call:
-    return Call(request_id=spec.request_id, region=region, tokens=encode(render_chat(spec.messages)),
+    return Call(request_id=spec.request_id, region=region, tokens=encode_chat(spec.messages),
                 output_tokens=spec.max_tokens, user=spec.user, session=spec.session,
                 interaction_id=spec.interaction_id, stage=spec.stage, final=bool(spec.final))
 

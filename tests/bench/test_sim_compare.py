@@ -88,3 +88,17 @@ def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
         assert entry["throughput_rps"]["median"] > 0
     assert (tmp_path / "report.md").read_text().count("| lb |") == 1
     assert (tmp_path / "ttft_cdf.png").exists() and (tmp_path / "throughput.png").exists()
+
+
+def test_simulated_clients_tokenize_prompts_exactly_as_the_emulator():
+    from bench.sim.clients import encode_chat, output_text
+    from bench.tokenizer import encode, render_chat
+    from bench.workloads import make_workload
+
+    for name in ("tot", "multiturn"):
+        program = make_workload(name, seed=3).program(0, 0)
+        specs = program.start()
+        while specs:
+            spec = specs.pop()
+            assert encode_chat(spec.messages) == encode(render_chat(spec.messages))
+            specs.extend(program.on_done(spec, output_text(spec.max_tokens)))
