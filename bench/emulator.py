@@ -82,7 +82,7 @@ class Stream:
         self._event.clear()
 
 
-MAX_LAG_S = 0.1  # wall seconds the driver may run behind its engine timeline before resyncing
+MAX_LAG_S = 0.5  # wall seconds the driver may run behind its engine timeline before resyncing
 
 
 class Driver:
@@ -149,8 +149,8 @@ class Driver:
             last_end = result.end
             # sleep to the step's absolute end, so timer slack does not accumulate
             delay = self._t0 + result.end / self.speed - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # always yield, even when catching up: the handlers must stream what was delivered
+            await asyncio.sleep(max(0.0, delay))
             self._deliver(result)
 
     def _deliver(self, result: StepResult) -> None:

@@ -2,8 +2,8 @@
 
 For each closed-loop workload at a small size, the same workload, seed, clients and fleet
 (2 emulated L4 replicas, `lb` in front) runs in the simulator and over real emulator
-processes at 2x speed (every lb time constant divided by 2, figures converted back to engine
-time). They must agree on throughput within 10 % and on TTFT p50/p90 within 20 % + 50 ms.
+processes in real time (SPEED = 1: faster emulators turn every millisecond of CPU contention
+on a busy 2-core machine into more engine time). They must agree on throughput within 10 % and on TTFT p50/p90 within 20 % + 50 ms.
 The runs are request-bounded (not time-bounded) so a few per cent of latency cannot move a
 whole level of tree leaves in or out of the count. Both sets of figures are printed.
 """
@@ -16,14 +16,7 @@ from bench.sim.agreement import CASES, REPLICAS, SPEED, disagreements, line, liv
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("workload", [
-    "tot",
-    pytest.param("mixed-tree", marks=pytest.mark.xfail(strict=True, reason=(
-        "the simulator's lb has no cache-affine ordering and holds (lb/core/affinity.py), which keep "
-        "4-branch nodes on their prefix holder live (cached 0.86 live vs 0.67 simulated); fixed when "
-        "bench/sim calls the daemon's scheduler (issue 10)"))),
-    "multiturn",
-])
+@pytest.mark.parametrize("workload", list(CASES))
 def test_simulator_agrees_with_live_emulators(workload, tmp_path):
     case = CASES[workload]
     kw = dict(clients=case["clients"], replicas=REPLICAS, requests=case["requests"])
