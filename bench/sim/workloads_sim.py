@@ -22,9 +22,8 @@ from bench import traces
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Timed
 from bench.workloads import make_workload
-from bench.workloads.base import pseudo_text, rng_for
+from bench.workloads.base import rng_for
 from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
-from bench.tokenizer import encode
 
 ONE_REGION = FleetSpec((RegionSpec("local", 4),))
 # SkyWalker's inter-region one-way latencies; clients skewed 2:1:1 as its 40/20/20.
@@ -105,18 +104,26 @@ MOONCAKE_MAX_INPUT = 2048
 
 
 def mooncake_calls(seed: int) -> Iterator[Timed]:
-    """Mooncake's conversation trace: equal hash ids are equal token blocks (prefixes kept)."""
+    """Mooncake's conversation trace: equal hash ids are equal token blocks (prefixes kept).
+    Each seed starts at its own point of the trace (so seeds see different stretches of it)
+    and the replay wraps around at the end, so a run never runs out of requests."""
     block = max(1, round(traces.MOONCAKE_BLOCK_TOKENS * MOONCAKE_SIZE_SCALE))
-    for i, row in enumerate(traces.mooncake_conversation()):
-        n = min(MOONCAKE_MAX_INPUT, max(1, round(row.input_length * MOONCAKE_SIZE_SCALE)))
-        tokens: list[int] = []
-        for h in row.hash_ids:
-            if len(tokens) >= n:
-                break
-            tokens.extend(range((h + 1) << 20, ((h + 1) << 20) + block))
-        tokens = tokens[:n]
-        yield Timed(row.t, Call(f"mooncake-{i}", "local", tokens,
-                                max(1, round(row.output_length * MOONCAKE_SIZE_SCALE)), user="mooncake"))
+    rows = traces.mooncake_conversation()
+    t0, span = rows[0].t, rows[-1].t - rows[0].t + 1.0
+    start = (seed * 0.3819660112501051 % 1.0) * span  # golden-ratio steps: seeds spread over the trace
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].t - t0 - start) % span)
+    for lap in itertools.count():
+        for i in order:
+            row = rows[i]
+            at = lap * span + (row.t - t0 - start) % span
+            n = min(MOONCAKE_MAX_INPUT, max(1, round(row.input_length * MOONCAKE_SIZE_SCALE)))
+            tokens: list[int] = []
+            for h in row.hash_ids:
+                if len(tokens) >= n:
+                    break
+                tokens.extend(range((h + 1) << 20, ((h + 1) << 20) + block))
+            yield Timed(at, Call(f"mooncake-{lap}-{i}", "local", tokens[:n],
+                                 max(1, round(row.output_length * MOONCAKE_SIZE_SCALE)), user="mooncake"))
 
 
 @functools.cache
