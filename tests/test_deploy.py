@@ -81,6 +81,8 @@ def test_deployment_probes_ports_rbac_and_monitor_agree():
     assert mon["spec"]["endpoints"][0] | {"port": "http", "path": "/metrics"} == mon["spec"]["endpoints"][0]
     hpa, keda = kinds["HorizontalPodAutoscaler"][0], kinds["ScaledObject"][0]
     assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "lb_desired_replicas"
+    # replicas = ceil(metric / averageValue): the engines follow lb_desired_replicas one to one
+    assert hpa["spec"]["metrics"][0]["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
     assert keda["spec"]["triggers"][0]["metadata"]["query"] == 'max(lb_desired_replicas{model="llama"})'
 
 
