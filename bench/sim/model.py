@@ -16,7 +16,7 @@ as fresh as the daemon's:
 - a dispatch pass runs on arrival, completion, early re-probe, and on each grid tick while
   requests wait (the daemon's "probe result" wake-up).
 
-Cross-region (SkyWalker Algorithm 1, `lb.core.peering.decide` with the `nearest` peer
+Cross-region (SkyWalker Algorithm 1, `lb.core.peering.local_or_peer` with the `nearest` peer
 policy): a request nothing local can take goes to a peer LB that has an available replica
 for its model and a queue no longer than `tau`, seen through a status as fresh as now; it
 arrives there one-way latency later marked `hops=1`, is placed on that region's replicas

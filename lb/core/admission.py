@@ -1,4 +1,4 @@
-"""Token-aware, SLO-feasible admission: decide at arrival whether a request can meet its
+"""Token-aware, SLO-feasible admission: judge at arrival whether a request can meet its
 tier's TTFT/E2E targets, and if not, what to do instead — before it waits in vain.
 
 wait  = tokens queued ahead / effective service rate (tokens/s the region completes)
@@ -52,7 +52,7 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
-class Load:
+class RegionLoad:
     """A region's queue as admission sees it (the local one, or a peer's)."""
 
     tokens_ahead: float  # prompt + expected output tokens of the requests queued ahead
@@ -66,7 +66,7 @@ class Estimate:
     e2e_s: float
 
 
-def estimate(facts: RequestFacts, load: Load, output_tokens: float, cfg: AdmissionConfig) -> Estimate:
+def estimate(facts: RequestFacts, load: RegionLoad, output_tokens: float, cfg: AdmissionConfig) -> Estimate:
     if load.tokens_ahead <= 0:
         wait = 0.0
     elif load.service_tps <= 0:
@@ -103,8 +103,8 @@ class Admission:
         return "; ".join(parts)
 
 
-def decide(facts: RequestFacts, local: Load, cfg: AdmissionConfig, tiers: TierConfig, *,
-           peers: Mapping[str, Load] | None = None, expected_output: float | None = None) -> Admission:
+def judge(facts: RequestFacts, local: RegionLoad, cfg: AdmissionConfig, tiers: TierConfig, *,
+          peers: Mapping[str, RegionLoad] | None = None, expected_output: float | None = None) -> Admission:
     output = facts.max_tokens if facts.max_tokens is not None else (expected_output or cfg.default_output_tokens)
     est = estimate(facts, local, output, cfg)
     if not cfg.enabled or facts.tier is Tier.NIW:  # NIW is deferred, not judged at arrival

@@ -1,7 +1,7 @@
 """Turn engines' load and usage responses into numbers, without trusting their shape.
 
 Each parser takes the raw response (bytes or a decoded JSON value) of one endpoint and
-returns a `Load`, or raises `ValueError` when the response is not that endpoint's shape, so
+returns an `EngineLoad`, or raises `ValueError` when the response is not that endpoint's shape, so
 the daemon's adapter can fall back to the next endpoint. Shapes are those SGLang, vLLM
 and llama.cpp serve (see the tests in tests/core/test_health_loadparse.py).
 """
@@ -14,7 +14,7 @@ import orjson
 
 
 @dataclass(frozen=True)
-class Load:
+class EngineLoad:
     pending: int  # requests waiting inside the engine (not yet admitted to the batch)
     running: int | None = None
     kv_usage: float | None = None  # 0..1
@@ -28,7 +28,7 @@ def _dp_ranks(value: object) -> list[dict]:
     return value
 
 
-def parse_sglang_v1_loads(body: bytes) -> Load:
+def parse_sglang_v1_loads(body: bytes) -> EngineLoad:
     """SGLang `GET /v1/loads`: `{loads: [{num_waiting_reqs, num_running_reqs, token_usage}]}`."""
     doc = orjson.loads(body)
     ranks = _dp_ranks(doc.get("loads") if isinstance(doc, dict) else None)
@@ -36,7 +36,7 @@ def parse_sglang_v1_loads(body: bytes) -> Load:
     sized = all(isinstance(r.get("max_total_num_tokens"), int) and isinstance(r.get("num_used_tokens"), int)
                 for r in ranks)
     caps = [r.get("max_running_requests") for r in ranks]
-    return Load(
+    return EngineLoad(
         pending=sum(int(r["num_waiting_reqs"]) for r in ranks),
         running=sum(int(r.get("num_running_reqs", 0)) for r in ranks),
         kv_usage=max(usage) if usage else None,
@@ -46,7 +46,7 @@ def parse_sglang_v1_loads(body: bytes) -> Load:
     )
 
 
-def parse_sglang_get_load(body: bytes) -> Load:
+def parse_sglang_get_load(body: bytes) -> EngineLoad:
     """SGLang `GET /get_load`: a list per dp rank `[{num_reqs, num_waiting_reqs, num_tokens}]`.
 
     `num_reqs` counts running + waiting in the versions that have both fields.
@@ -57,7 +57,7 @@ def parse_sglang_get_load(body: bytes) -> Load:
     ranks = _dp_ranks(doc)
     pending = sum(int(r["num_waiting_reqs"]) for r in ranks)
     total = sum(int(r.get("num_reqs", 0)) for r in ranks)
-    return Load(pending=pending, running=max(0, total - pending))
+    return EngineLoad(pending=pending, running=max(0, total - pending))
 
 
 def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
@@ -89,15 +89,15 @@ def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
-def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0) -> Callable[[bytes], Load]:
+def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0) -> Callable[[bytes], EngineLoad]:
     names = [n for n in (pending, running, kv) if n]
 
-    def parse(body: bytes) -> Load:
+    def parse(body: bytes) -> EngineLoad:
         vals = prometheus_values(body, names)
         if pending not in vals:
             raise ValueError(f"/metrics has no {pending}")
         kv_usage = vals.get(kv) if kv else None
-        return Load(
+        return EngineLoad(
             pending=int(vals[pending]),
             running=int(vals[running]) if running in vals else None,
             kv_usage=None if kv_usage is None else kv_usage * kv_scale,

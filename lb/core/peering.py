@@ -1,6 +1,6 @@
 """Cross-region peering decisions (SkyWalker §4): which peer LB, if any, takes a request.
 
-Pure: the daemon's peer probes fill `PeerStatus`, the dispatcher asks `decide` when a
+Pure: the daemon's peer probes fill `PeerStatus`, the dispatcher asks `local_or_peer` when a
 request has no local replica, and `adoption_action` says when to take over (and give back)
 a dead peer's replicas. Nothing here does I/O or reads a clock.
 
@@ -228,7 +228,7 @@ class PeerDecision:
     residency_blocked: tuple[str, ...] = ()  # available peers the request's tag ruled out
 
 
-def decide(req: RequestFacts, *, local_available: bool, peers: Sequence[tuple[PeerConfig, PeerStatus]],
+def local_or_peer(req: RequestFacts, *, local_available: bool, peers: Sequence[tuple[PeerConfig, PeerStatus]],
            router: PeerRouter, tau: int, now: float, stale_s: float,
            exclude: frozenset[str] = frozenset()) -> PeerDecision:
     """SkyWalker Algorithm 1: local if possible, else an available peer, else wait."""

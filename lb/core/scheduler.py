@@ -39,7 +39,7 @@ One pass, in order (the filter chain first, then queue order, then the policy):
    `affinity.window` (`lb.core.affinity`). Per entry: targets that serve its model, that
    its `accepts` allows, not in its `exclude` (unless every healthy one is) — the
    candidates. None: SkyWalker Algorithm 1 offers it to an available peer LB
-   (`lb.core.peering.decide`, never for a request that already crossed one LB), else it
+   (`lb.core.peering.local_or_peer`, never for a request that already crossed one LB), else it
    stays queued; an entry nothing can take never blocks the ones behind it.
 3. Its busy prefix holder may be worth a short wait (`AffinityScheduler.hold`): HOLD.
 4. Else the policy chooses among the candidates (filters → scorers → picker,
@@ -57,7 +57,7 @@ from typing import Iterable, Protocol, Sequence
 
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.breaker import Breaker
-from lb.core.peering import DEFAULT_TAU, PeerConfig, PeerRouter, PeerStatus, decide, peer_available
+from lb.core.peering import DEFAULT_TAU, PeerConfig, PeerRouter, PeerStatus, local_or_peer, peer_available
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
 from lb.core.queueing import QueueOrderBase
@@ -331,7 +331,7 @@ class Scheduler:
         for p in usable:
             p.status.in_flight = p.view.outstanding
         exclude = frozenset(p.config.region for p in usable if p.view.id in entry.exclude)
-        d = decide(facts, local_available=False, peers=[(p.config, p.status) for p in usable], router=peers.router,
+        d = local_or_peer(facts, local_available=False, peers=[(p.config, p.status) for p in usable], router=peers.router,
                    tau=peers.tau, now=now, stale_s=peers.stale_s, exclude=exclude)
         if d.kind != "peer":
             if d.residency_blocked:

@@ -1,7 +1,7 @@
 """The request path's SLO gate (issue 5): admission at arrival, NIW deferral, the `priority`
 forwarded to each engine, and the background round that feeds them.
 
-- `admit()` runs `lb.core.admission.decide` with the region's learned service rate and the
+- `admit()` runs `lb.core.admission.judge` with the region's learned service rate and the
   tokens queued ahead: admit; degrade (lower `max_tokens`/`max_completion_tokens` in the
   forwarded body, say so in `x-lb-degraded`); or reject at once with 429/503, Retry-After
   and the reason (`code: slo_infeasible`). NIW requests are then *held*: the connection
@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from lb.core.admission import NO_CAPACITY, Admission, Load, decide, tokens_of
+from lb.core.admission import NO_CAPACITY, Admission, RegionLoad, judge, tokens_of
 from lb.core.deferred import DeferredQueue, effective_kv_utilization
 from lb.core.tiers import engine_priority
 from lb.core.types import QueueEntry, RequestFacts, Tier
@@ -122,17 +122,17 @@ class Gate:
             await self.fairness.sync_counters()
 
     # -- the request side ----------------------------------------------------------------------
-    def load(self) -> Load:
+    def load(self) -> RegionLoad:
         expected = self.fairness.service.expected_output
         ahead = sum(tokens_of(e.facts, expected(e.facts)) for e in self.dispatcher.queue)
-        return Load(tokens_ahead=ahead, service_tps=self.fairness.rate.rate)
+        return RegionLoad(tokens_ahead=ahead, service_tps=self.fairness.rate.rate)
 
     async def admit(self, request: web.Request, facts: RequestFacts, doc: dict) -> RequestFacts:
         """Judge the request against its tier; returns the facts it continues with (maybe a
         degraded tier or limit). Raises the early 429/503. Holds NIW requests until released."""
         if self.cfg.admission.enabled:
-            decision = decide(facts, self.load(), self.cfg.admission, self.cfg.tiers,
-                              expected_output=self.fairness.service.expected_output(facts))
+            decision = judge(facts, self.load(), self.cfg.admission, self.cfg.tiers,
+                             expected_output=self.fairness.service.expected_output(facts))
             self.decisions.labels(decision.action, decision.reason).inc()
             if decision.action == "reject":
                 raise rejection(decision)

@@ -60,7 +60,7 @@ class LB:
         self.proxy = Proxy(cfg, self.registry, self.dispatcher, self.metrics)
         self.prober.on_probe.append(self.proxy.hung.on_probe)  # hung requests, from probe evidence
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6
-                                 deferred=lambda: getattr(getattr(self.proxy, "gate", None), "deferred", ()))
+                                 deferred=lambda: self.proxy.gate.deferred)
         self.peers = Peers(cfg, self.registry, self.dispatcher, self.metrics)  # cross-region (issue 4)
         self.proxy.peering = self.peers
         self.discovery = Discovery(cfg.discovery, self.registry)  # Kubernetes / DNS replica sources

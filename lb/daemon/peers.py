@@ -2,7 +2,7 @@
 
 Each peer is a `Replica` whose view has `engine="peer"`: the dispatcher hands it to the
 proxy like any replica when no local one can take a request (SkyWalker
-Algorithm 1 in `lb.core.peering.decide`, called by `lb.core.scheduler`), so forwarding reuses the streaming proxy as is —
+Algorithm 1 in `lb.core.peering.local_or_peer`, called by `lb.core.scheduler`), so forwarding reuses the streaming proxy as is —
 bytes flow replica → remote LB → this LB → client as they come, a failure before the first
 byte retries locally or on another peer, and a client that leaves closes both hops.
 

@@ -20,14 +20,14 @@ import aiohttp
 import orjson
 
 from lb.core import loadparse
-from lb.core.loadparse import Load
+from lb.core.loadparse import EngineLoad
 from lb.core.pushing import settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 
 log = logging.getLogger("lb.probes")
 
-Parser = Callable[[bytes], Load]
+Parser = Callable[[bytes], EngineLoad]
 
 LOAD_ENDPOINTS: dict[str, list[tuple[str, Parser]]] = {
     "sglang": [("/v1/loads", loadparse.parse_sglang_v1_loads),
@@ -52,7 +52,7 @@ class Prober:
         self.session: aiohttp.ClientSession | None = None
         self.tasks: dict[Replica, asyncio.Task] = {}
         # hear every good probe: (replica, its load or None, when the probe started)
-        self.on_probe: list[Callable[[Replica, Load | None, float], None]] = []
+        self.on_probe: list[Callable[[Replica, EngineLoad | None, float], None]] = []
         registry.on_add(self._start)
         registry.on_gone(self._stop)
 
@@ -118,7 +118,7 @@ class Prober:
         t0 = time.monotonic()
         view = rep.view
         outstanding_at_start = view.outstanding
-        load: Load | None = None
+        load: EngineLoad | None = None
         ok = False
         endpoints = LOAD_ENDPOINTS.get(view.engine, [])
         try:

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.admission import AdmissionConfig, Load, decide, estimate
+from lb.core.admission import AdmissionConfig, RegionLoad, judge, estimate
 from lb.core.tiers import TierConfig, TierTarget
 from lb.core.types import RequestFacts, Tier
 
 CFG = AdmissionConfig(enabled=True, prefill_tps=1000.0, decode_tps=10.0, min_degraded_tokens=20)
 TIERS = TierConfig(targets={Tier.IW_F: TierTarget(1.0, 10.0), Tier.IW_N: TierTarget(5.0, 30.0),
                             Tier.NIW: TierTarget(3600.0, 3600.0)})
-IDLE = Load(tokens_ahead=0, service_tps=1000.0)
+IDLE = RegionLoad(tokens_ahead=0, service_tps=1000.0)
 
 
 def req(tier=Tier.IW_F, prompt=500, max_tokens=50) -> RequestFacts:
@@ -18,58 +18,58 @@ def req(tier=Tier.IW_F, prompt=500, max_tokens=50) -> RequestFacts:
 
 
 def test_estimate_is_queue_over_rate_plus_prefill_plus_decode():
-    est = estimate(req(prompt=500), Load(tokens_ahead=2000, service_tps=1000.0), 40, CFG)
+    est = estimate(req(prompt=500), RegionLoad(tokens_ahead=2000, service_tps=1000.0), 40, CFG)
     assert est.wait_s == pytest.approx(2.0)
     assert est.ttft_s == pytest.approx(2.5)
     assert est.e2e_s == pytest.approx(6.5)
-    assert estimate(req(), Load(5, 0.0), 1, CFG).wait_s == float("inf")
-    assert estimate(req(), Load(0, 0.0), 1, CFG).wait_s == 0.0
+    assert estimate(req(), RegionLoad(5, 0.0), 1, CFG).wait_s == float("inf")
+    assert estimate(req(), RegionLoad(0, 0.0), 1, CFG).wait_s == 0.0
 
 
 def test_feasible_request_is_admitted():
-    d = decide(req(max_tokens=50), IDLE, CFG, TIERS)  # TTFT 0.5, E2E 5.5
+    d = judge(req(max_tokens=50), IDLE, CFG, TIERS)  # TTFT 0.5, E2E 5.5
     assert (d.action, d.reason, d.tier) == ("admit", "feasible", Tier.IW_F)
 
 
 def test_ttft_ok_but_too_many_tokens_is_degraded_to_fit_e2e():
-    d = decide(req(max_tokens=500), IDLE, CFG, TIERS)  # E2E 50.5 > 10
+    d = judge(req(max_tokens=500), IDLE, CFG, TIERS)  # E2E 50.5 > 10
     assert d.action == "degrade" and d.reason == "e2e-needs-fewer-tokens"
     assert d.max_tokens == int((10.0 - 0.5) * 10)  # 95 tokens fit
     assert d.degraded == "max_tokens=95; reason=e2e-needs-fewer-tokens; tier=iw-f"
 
 
 def test_learned_length_is_used_when_max_tokens_is_absent():
-    assert decide(req(max_tokens=None), IDLE, CFG, TIERS, expected_output=50).action == "admit"
-    assert decide(req(max_tokens=None), IDLE, CFG, TIERS, expected_output=500).action == "degrade"
+    assert judge(req(max_tokens=None), IDLE, CFG, TIERS, expected_output=50).action == "admit"
+    assert judge(req(max_tokens=None), IDLE, CFG, TIERS, expected_output=500).action == "degrade"
 
 
 def test_redirect_to_a_peer_that_meets_the_tier():
-    busy = Load(tokens_ahead=3000, service_tps=1000.0)  # local TTFT 3.5 > 1
-    d = decide(req(), busy, CFG, TIERS, peers={"eu": Load(0, 1000.0), "asia": Load(100, 1000.0)})
+    busy = RegionLoad(tokens_ahead=3000, service_tps=1000.0)  # local TTFT 3.5 > 1
+    d = judge(req(), busy, CFG, TIERS, peers={"eu": RegionLoad(0, 1000.0), "asia": RegionLoad(100, 1000.0)})
     assert d.action == "redirect" and d.target == "eu" and d.estimate.ttft_s == pytest.approx(0.5)
 
 
 def test_infeasible_fast_tier_is_relaxed_to_a_looser_tier():
-    busy = Load(tokens_ahead=3000, service_tps=1000.0)  # TTFT 3.5: not IW-F, fine for IW-N
-    d = decide(req(), busy, CFG, TIERS)
+    busy = RegionLoad(tokens_ahead=3000, service_tps=1000.0)  # TTFT 3.5: not IW-F, fine for IW-N
+    d = judge(req(), busy, CFG, TIERS)
     assert d.action == "degrade" and d.reason == "tier-relaxed" and d.tier is Tier.IW_N and d.max_tokens is None
-    d = decide(req(max_tokens=400), busy, CFG, TIERS)  # E2E 43.5 > 30: also fewer tokens
+    d = judge(req(max_tokens=400), busy, CFG, TIERS)  # E2E 43.5 > 30: also fewer tokens
     assert d.tier is Tier.IW_N and d.max_tokens == int((30 - 3.5) * 10)
 
 
 def test_infeasible_in_every_tier_is_rejected_with_retry_after():
-    swamped = Load(tokens_ahead=20_000, service_tps=1000.0)  # TTFT 20.5 > 5
-    d = decide(req(), swamped, CFG, TIERS)
+    swamped = RegionLoad(tokens_ahead=20_000, service_tps=1000.0)  # TTFT 20.5 > 5
+    d = judge(req(), swamped, CFG, TIERS)
     assert d.action == "reject" and d.reason == "ttft-infeasible"
     assert d.retry_after_s == 16  # ceil(20.5 - 5)
-    dead = decide(req(), Load(tokens_ahead=10, service_tps=0.0), CFG, TIERS)
+    dead = judge(req(), RegionLoad(tokens_ahead=10, service_tps=0.0), CFG, TIERS)
     assert (dead.action, dead.reason) == ("reject", "no-capacity")
 
 
 def test_disabled_or_niw_is_never_judged():
-    swamped = Load(tokens_ahead=1e9, service_tps=1.0)
-    assert decide(req(), swamped, AdmissionConfig(enabled=False), TIERS).action == "admit"
-    assert decide(req(tier=Tier.NIW), swamped, CFG, TIERS).action == "admit"
+    swamped = RegionLoad(tokens_ahead=1e9, service_tps=1.0)
+    assert judge(req(), swamped, AdmissionConfig(enabled=False), TIERS).action == "admit"
+    assert judge(req(tier=Tier.NIW), swamped, CFG, TIERS).action == "admit"
 
 
 def test_config_from_dict():

@@ -33,12 +33,12 @@ def test_sglang_v1_loads_sums_ranks():
     body = orjson.dumps({"timestamp": 1, "loads": [
         {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.5},
         {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.75}]})
-    assert loadparse.parse_sglang_v1_loads(body) == loadparse.Load(pending=2, running=4, kv_usage=0.75)
+    assert loadparse.parse_sglang_v1_loads(body) == loadparse.EngineLoad(pending=2, running=4, kv_usage=0.75)
 
 
 def test_sglang_get_load_list_and_old_shapes():
     body = orjson.dumps([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100}])
-    assert loadparse.parse_sglang_get_load(body) == loadparse.Load(pending=2, running=3)
+    assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3)
     with pytest.raises(ValueError):
         loadparse.parse_sglang_get_load(b'{"load": 4}')  # no pending count: fall back
     with pytest.raises(ValueError):
@@ -61,9 +61,9 @@ sglang:token_usage{model_name="m"} 0.9
 
 
 def test_metrics_parsers_pick_their_engine_and_sum_labels():
-    assert loadparse.parse_vllm_metrics(METRICS) == loadparse.Load(4, 7, 0.25)
-    assert loadparse.parse_llamacpp_metrics(METRICS) == loadparse.Load(4, 2, None)
-    assert loadparse.parse_sglang_metrics(METRICS) == loadparse.Load(6, 8, 0.9)
+    assert loadparse.parse_vllm_metrics(METRICS) == loadparse.EngineLoad(4, 7, 0.25)
+    assert loadparse.parse_llamacpp_metrics(METRICS) == loadparse.EngineLoad(4, 2, None)
+    assert loadparse.parse_sglang_metrics(METRICS) == loadparse.EngineLoad(6, 8, 0.9)
     with pytest.raises(ValueError):
         loadparse.parse_vllm_metrics(b"llamacpp:requests_deferred 1\n")
 

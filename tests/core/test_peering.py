@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lb.core.peering import (PeerConfig, PeeringConfig, PeerRouter, PeerStatus, adoption_action, apply_peer_args,
-                             decide, peer_available, peers_from_list, residency_allows)
+                             local_or_peer, peer_available, peers_from_list, residency_allows)
 from lb.core.types import RequestFacts
 
 NOW = 100.0
@@ -40,12 +40,12 @@ def test_algorithm_1_local_then_peer_then_wait_and_never_twice():
     pcs = [(PeerConfig("eu", "http://eu"), status("eu"))]
     router = PeerRouter("nearest")
     kw = dict(router=router, tau=2, now=NOW, stale_s=STALE)
-    assert decide(req(), local_available=True, peers=pcs, **kw).kind == "local"
-    assert decide(req(), local_available=False, peers=pcs, **kw).region == "eu"
-    assert decide(req(hops=1), local_available=False, peers=pcs, **kw).kind == "wait"
+    assert local_or_peer(req(), local_available=True, peers=pcs, **kw).kind == "local"
+    assert local_or_peer(req(), local_available=False, peers=pcs, **kw).region == "eu"
+    assert local_or_peer(req(hops=1), local_available=False, peers=pcs, **kw).kind == "wait"
     full = [(PeerConfig("eu", "http://eu"), status("eu", free=0))]
-    assert decide(req(), local_available=False, peers=full, **kw).kind == "wait"
-    assert decide(req(), local_available=False, peers=pcs, exclude=frozenset({"eu"}), **kw).kind == "wait"
+    assert local_or_peer(req(), local_available=False, peers=full, **kw).kind == "wait"
+    assert local_or_peer(req(), local_available=False, peers=pcs, exclude=frozenset({"eu"}), **kw).kind == "wait"
 
 
 def test_residency_tags_only_go_where_allowed():
@@ -54,10 +54,10 @@ def test_residency_tags_only_go_where_allowed():
     assert residency_allows("eu", ("eu",)) and residency_allows("eu", ("*",))
     pcs = [(PeerConfig("us", "http://us"), status("us", rtt=0.01)),
            (PeerConfig("eu", "http://eu", allowed_residency=("eu",)), status("eu", rtt=0.2))]
-    d = decide(req(residency="eu"), local_available=False, peers=pcs, router=PeerRouter("nearest"), tau=2,
+    d = local_or_peer(req(residency="eu"), local_available=False, peers=pcs, router=PeerRouter("nearest"), tau=2,
                now=NOW, stale_s=STALE)
     assert (d.kind, d.region, d.residency_blocked) == ("peer", "eu", ("us",))
-    d = decide(req(), local_available=False, peers=pcs, router=PeerRouter("nearest"), tau=2, now=NOW, stale_s=STALE)
+    d = local_or_peer(req(), local_available=False, peers=pcs, router=PeerRouter("nearest"), tau=2, now=NOW, stale_s=STALE)
     assert d.region == "us" and d.residency_blocked == ()
 
 
