@@ -611,6 +611,9 @@ class _ResponsesShape(_Shape):
         return orjson.dumps(self.emu.store_response(self._response(g, stream, "completed")))
 
 
+VLLM_BLOCK_SIZE = 16  # vLLM's default KV block size on GPUs
+
+
 class _MetricsCollector:
     """Both engines' /metrics families from one engine snapshot, per scrape."""
 
@@ -653,6 +656,12 @@ class _MetricsCollector:
         yield gauge("vllm:num_requests_running", "Running requests", load.num_running, engine)
         yield gauge("vllm:num_requests_waiting", "Waiting requests", load.num_waiting, engine)
         yield gauge("vllm:kv_cache_usage_perc", "KV usage 0..1", load.token_usage, engine)
+        # vLLM's info gauge (always 1): its labels carry the KV capacity, as
+        # vllm/v1/metrics/loggers.py `log_metrics_info("cache_config", ...)` publishes it
+        yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0,
+                    {**engine, "block_size": str(VLLM_BLOCK_SIZE),
+                     "num_gpu_blocks": str(load.kv_total_tokens // VLLM_BLOCK_SIZE),
+                     "enable_prefix_caching": "True", "cache_dtype": "auto"})
         yield counter("vllm:prompt_tokens", "Prompt tokens", c.prompt_tokens, engine)
         yield counter("vllm:generation_tokens", "Generated tokens", c.generation_tokens, engine)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queried tokens",

@@ -108,7 +108,68 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
 
 
 parse_sglang_metrics = _metrics_parser("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
-parse_vllm_metrics = _metrics_parser("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+_VLLM_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # the latter: before v0.10
+_VLLM_CACHE_INFO = b"vllm:cache_config_info"
+
+
+def _label(labels: bytes, key: bytes) -> bytes | None:
+    """The value of one label in a `{k="v",...}` set (values here are numbers or names: no escapes)."""
+    at = labels.find(key + b'="')
+    if at < 0 or (at > 0 and labels[at - 1] not in b"{, "):
+        return None
+    start = at + len(key) + 2
+    end = labels.find(b'"', start)
+    return labels[start:end] if end >= 0 else None
+
+
+def _vllm_free_kv(text: bytes) -> tuple[float | None, int | None]:
+    """(KV usage 0..1, free KV tokens) from vLLM's `/metrics`, per engine (data-parallel rank).
+
+    vLLM publishes KV usage as a fraction (`vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc`
+    before v0.10) and its capacity as labels of the info gauge `vllm:cache_config_info`
+    (`num_gpu_blocks`, `block_size`; vllm/v1/metrics/loggers.py `log_metrics_info`), so free
+    tokens = (1 - usage) x blocks x block size. A request lands on one engine: the most room
+    one engine has is what one push can use, as for SGLang's dp ranks.
+    """
+    usage: dict[bytes, float] = {}
+    capacity: dict[bytes, int] = {}
+    for line in text.splitlines():
+        if not line.startswith(b"vllm:") or b"{" not in line:
+            continue
+        name, _, rest = line.partition(b"{")
+        labels, _, value = rest.rpartition(b"}")
+        engine = _label(b"{" + labels, b"engine") or b""
+        if name in _VLLM_KV_USAGE:
+            try:
+                v = float(value.split()[0])
+            except (ValueError, IndexError):
+                continue
+            # the current name wins over the deprecated one when a version serves both
+            if name == _VLLM_KV_USAGE[0] or engine not in usage:
+                usage[engine] = v
+        elif name == _VLLM_CACHE_INFO:
+            blocks, size = _label(b"{" + labels, b"num_gpu_blocks"), _label(b"{" + labels, b"block_size")
+            if blocks and size and blocks.isdigit() and size.isdigit():  # "None" before profiling
+                capacity[engine] = int(blocks) * int(size)
+    if not usage:
+        return None, None
+    free = [int((1.0 - min(1.0, max(0.0, u))) * capacity[e]) for e, u in usage.items() if e in capacity]
+    return max(usage.values()), (max(free) if free else None)
+
+
+def parse_vllm_metrics(body: bytes) -> Load:
+    """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
+    (`_vllm_free_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
+    vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running"))
+    if "vllm:num_requests_waiting" not in vals:
+        raise ValueError("/metrics has no vllm:num_requests_waiting")
+    kv_usage, kv_free = _vllm_free_kv(body)
+    running = vals.get("vllm:num_requests_running")
+    return Load(pending=int(vals["vllm:num_requests_waiting"]),
+                running=None if running is None else int(running),
+                kv_usage=kv_usage, kv_free_tokens=kv_free)
+
+
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)
 
 

@@ -24,7 +24,9 @@ DEFAULT_MAX_OUTSTANDING = 32
 # `DEFAULT_MAX_UNSEEN` caps the unseen pushes whatever the room says, so one stale probe can
 # never send a whole burst to one replica.
 #
-# An engine that does not report its room (vLLM, llama.cpp) gets a fixed credit of 4 unseen
+# vLLM reports it on `/metrics` (KV usage times `vllm:cache_config_info`'s blocks x block size;
+# `loadparse.parse_vllm_metrics`), so it gets the same headroom; an engine that does not report
+# its room (llama.cpp, a vLLM whose info gauge says `None`) gets a fixed credit of 4 unseen
 # pushes: it bounds the overshoot onto a replica that was one request short of full to 4
 # waiting requests (one or two prefill steps), while a burst still drains fast: 100 requests
 # onto 4 idle replicas go out 16 at a time, one round per early re-probe, instead of piling

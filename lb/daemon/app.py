@@ -204,7 +204,7 @@ def build_app(cfg: Config) -> web.Application:
         v = rep.view
         return {"id": v.id, "url": v.url, "engine": v.engine, "models": sorted(v.models), "healthy": v.healthy,
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
-                "kv_usage": v.kv_usage, "reports_pending": v.reports_pending,
+                "kv_usage": v.kv_usage, "kv_free_tokens": v.kv_free_tokens, "reports_pending": v.reports_pending,
                 "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,
                 "source": rep.source or "static"}
 

@@ -259,7 +259,8 @@ def test_metrics_parse_with_both_engines_names(emu):
                  "sglang:prompt_tokens", "sglang:generation_tokens", "sglang:cached_tokens",
                  "sglang:num_requests", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+                 "vllm:cache_config_info"):
         assert name in families, name
         for sample in families[name].samples:
             assert sample.labels["model_name"] == "tiny-llama"

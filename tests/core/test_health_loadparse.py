@@ -68,6 +68,28 @@ def test_metrics_parsers_pick_their_engine_and_sum_labels():
         loadparse.parse_vllm_metrics(b"llamacpp:requests_deferred 1\n")
 
 
+VLLM_SIZED = b"""vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:num_requests_running{engine="0",model_name="m"} 5.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="1000"} 1.0
+"""
+
+
+def test_vllm_free_kv_from_usage_and_cache_config_info():
+    load = loadparse.parse_vllm_metrics(VLLM_SIZED)
+    # engine 1 has the most room: (1 - 0.5) x 1000 blocks x 16 tokens; the deprecated name loses
+    assert load == loadparse.Load(pending=0, running=7, kv_usage=0.75, kv_free_tokens=8000)
+    old = VLLM_SIZED.replace(b"kv_cache_usage_perc", b"gpu_cache_usage_perc_x")  # only the old name
+    assert loadparse.parse_vllm_metrics(old).kv_free_tokens == int((1 - 0.9) * 16000)
+    unsized = VLLM_SIZED.replace(b'num_gpu_blocks="1000"', b'num_gpu_blocks="None"')
+    assert loadparse.parse_vllm_metrics(unsized).kv_free_tokens is None  # no capacity: no guess
+
+
 def test_usage_from_stream_tail_skips_null_usage_chunks():
     stream = (b'data: {"choices":[{"delta":{"content":"a}"}}],"usage":null}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,'

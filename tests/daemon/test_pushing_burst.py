@@ -59,12 +59,17 @@ async def burst(url: str) -> tuple[list[int], int]:
         return statuses, await peak_task
 
 
-@pytest.mark.parametrize("mode", ["sp-pending", "blind"])
-def test_burst_waits_in_lb_not_in_engines(mode):
+@pytest.mark.parametrize("mode,engine", [("sp-pending", "sglang"), ("sp-pending", "vllm"), ("blind", "sglang")])
+def test_burst_waits_in_lb_not_in_engines(mode, engine):
+    """The vLLM face's headroom comes from `/metrics` (KV usage x cache_config_info's blocks),
+    SGLang's from `/v1/loads`: both bound what lands on a filling replica the same way."""
     emus = [start_emulator("--speed", "1", name=f"emu{i}") for i in range(2)]
     urls = [u for _, u in emus]
-    d = start_lb(*[a for u in urls for a in ("--replica", u)], "--engine", "sglang", "--pushing", mode,
+    d = start_lb(*[a for u in urls for a in ("--replica", u)], "--engine", engine, "--pushing", mode,
                  "--policy", "least-load")
+    _, doc = d.get_json("/admin/replicas", headers={"Authorization": f"Bearer {d.token}"})
+    # an idle tiny emulator: all of its 2048 KV tokens are free, as its /metrics or /v1/loads says
+    assert [r["kv_free_tokens"] for r in doc["replicas"]] == [2048, 2048], doc
     seen: dict = {}
     stop = threading.Event()
     sampler = threading.Thread(target=max_waiting, args=(urls, stop, seen), daemon=True)
