@@ -128,7 +128,7 @@ def rate_limits(facts: RequestFacts, cfg: FairnessConfig) -> list[RateLimit]:
 
 @dataclass(frozen=True)
 class Throttle:
-    """Everything the daemon needs for the 429."""
+    """Why and for how long a request is throttled (the daemon answers it 429 with these)."""
 
     scope: str
     limit: int
@@ -136,17 +136,6 @@ class Throttle:
     reset_s: float
     retry_after_s: int
     message: str
-
-    def headers(self) -> dict[str, str]:
-        return {
-            "Retry-After": str(self.retry_after_s),
-            "x-ratelimit-limit-requests": str(self.limit),
-            "x-ratelimit-remaining-requests": str(self.remaining),
-            "x-ratelimit-reset-requests": f"{self.reset_s:.3f}s",
-        }
-
-    def to_openai(self) -> dict:
-        return {"error": {"message": self.message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
 
 
 def throttle_decision(cfg: FairnessConfig, hits: Sequence[tuple[RateLimit, HitResult]], *,

@@ -29,21 +29,20 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 class IdentityError(Exception):
-    """A request the LB refuses before queueing; carries the OpenAI error object's fields."""
+    """A request the LB refuses before queueing: what is wrong (`message`), in which header
+    or field (`param`), and whether it is a missing or unknown API key (`unauthenticated`)
+    rather than a malformed value. The daemon turns it into the HTTP answer (401 / 400)."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400,
-                 code: str | None = "invalid_identity", type: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None, *, unauthenticated: bool = False,
+                 code: str = "invalid_identity"):
         super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
-
-    def to_openai(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        self.message, self.param, self.unauthenticated, self.code = message, param, unauthenticated, code
 
 
 @dataclass(frozen=True)
 class IdentityConfig:
     api_keys: dict = field(default_factory=dict)  # API key → tenant
-    # With a key map configured, a missing or unknown key is a 401 when this is set.
+    # With a key map configured, a missing or unknown key is refused (401) when this is set.
     require_api_key: bool = False
     require_user: bool = False
     require_app: bool = False
@@ -110,7 +109,7 @@ def _tenant(h: dict, body: Mapping, cfg: IdentityConfig) -> str | None:
             return cfg.api_keys[key]
         if cfg.require_api_key:
             msg = "Incorrect API key provided." if key else "Missing API key: send Authorization: Bearer KEY."
-            raise IdentityError(msg, None, status=401, code="invalid_api_key")
+            raise IdentityError(msg, None, unauthenticated=True, code="invalid_api_key")
     header = _id(h.get(USER_HEADER), USER_HEADER)
     if header is not None:
         return header

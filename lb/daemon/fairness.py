@@ -41,7 +41,7 @@ class Fairness:
         try:
             return parse_identity(headers, doc, self.cfg.identity).apply(facts)
         except IdentityError as e:
-            raise LBError(e.status, e.message, code=e.code or "invalid_identity", param=e.param) from None
+            raise LBError(401 if e.unauthenticated else 400, e.message, code=e.code, param=e.param) from None
 
     async def check_throttle(self, facts: RequestFacts, now: float, queue_len: int, any_available: bool) -> None:
         """Counts the request in its windows; raises the 429 when OIT/RPM says throttle."""
@@ -59,7 +59,9 @@ class Fairness:
             self.throttled += 1
             self.tenants.throttled(facts.user)
             raise LBError(429, decision.message, code="rate_limit_exceeded", retry_after=decision.retry_after_s,
-                          headers={k: v for k, v in decision.headers().items() if k != "Retry-After"})
+                          headers={"x-ratelimit-limit-requests": str(decision.limit),
+                                   "x-ratelimit-remaining-requests": str(decision.remaining),
+                                   "x-ratelimit-reset-requests": f"{decision.reset_s:.3f}s"})
 
     def dispatched(self, facts: RequestFacts, now: float) -> None:
         self.ledger.dispatched(facts, now)
