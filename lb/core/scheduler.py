@@ -71,7 +71,7 @@ class Kind(str, Enum):
     REJECT = "reject"  # answer now with `reason`
 
 
-# Why a request is rejected (the daemon maps each to one HTTP answer in lb/daemon/errors.py).
+# Why a request is rejected (the daemon maps each to one HTTP answer: lb.daemon.dispatch.Dispatcher._error).
 QUEUE_FULL = "queue_full"
 SHUTTING_DOWN = "shutting_down"
 
