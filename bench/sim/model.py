@@ -25,7 +25,7 @@ only, and its tokens travel back the same latency.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from bench.engine import EngineRequest
@@ -35,7 +35,8 @@ from bench.sim.fastengine import DecodeRun, FastEngine
 from bench.sim.metrics import Metrics
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
-from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_PUSH_CREDIT, record_push, settle_probe
+from lb.core.affinity import AffinityConfig
+from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT, record_push, settle_probe
 from lb.core.queueing import make_queue
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
@@ -60,6 +61,12 @@ class SimRequest:
 
 @dataclass
 class LBConfig:
+    """One simulated LB's settings. A scenario's `[lb] config = "lb.toml"` reads them from the
+    daemon's own config file (`from_daemon_config`: the same parser, checks and error
+    messages as `lb check-config`); other `[lb]` keys then override it. Without a file the
+    defaults below are the simulator's historical ones (least-load, τ = 0), which the
+    published scenario figures were measured with."""
+
     policy: str = "least-load"
     pushing: str = "sp-pending"
     queue: str = "fcfs"
@@ -67,8 +74,27 @@ class LBConfig:
     early_reprobe_s: float = 0.005
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     push_credit: int = DEFAULT_PUSH_CREDIT
+    max_unseen: int = DEFAULT_MAX_UNSEEN
     forward: bool = True  # cross-region forwarding to peers
     peer_queue_tau: int = 0  # a peer is available only with its queue at most this long
+    policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
+
+    @classmethod
+    def from_daemon_config(cls, path: str, **overrides) -> "LBConfig":
+        """The scheduler-facing settings of a daemon config file: [routing], [pushing],
+        [queue] order, [probes] interval and early re-probe, [affinity], [peering] τ."""
+        from lb.daemon.config import load
+        cfg = load(path)
+        return cls(**{**dict(
+            policy=cfg.routing.policy, policy_options=dict(cfg.routing.options), pushing=cfg.pushing.mode,
+            queue=cfg.queue.order, probe_interval_s=cfg.probes.interval_s, early_reprobe_s=cfg.probes.early_reprobe_s,
+            max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
+            max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, affinity=cfg.affinity), **overrides})
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(pushing=self.pushing, max_outstanding=self.max_outstanding,
+                               push_credit=self.push_credit, max_unseen=self.max_unseen, affinity=self.affinity)
 
 
 class SimReplica:
@@ -232,10 +258,8 @@ class SimLB:
     def __init__(self, region: str, loop: EventLoop, cfg: LBConfig, metrics: Metrics, *,
                  seed: int, phase: float = 0.0, on_done: Callable[[SimRequest], None] | None = None):
         self.region, self.loop, self.cfg, self.metrics = region, loop, cfg, metrics
-        self.policy = make_policy(cfg.policy, seed=seed)
-        self.scheduler = Scheduler(SchedulerConfig(pushing=cfg.pushing, max_outstanding=cfg.max_outstanding,
-                                                   push_credit=cfg.push_credit),
-                                   self.policy, make_queue(cfg.queue))
+        self.policy = make_policy(cfg.policy, seed=seed, **cfg.policy_options)
+        self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue))
         self.peer_router = PeerRouter("nearest", seed=seed)
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}

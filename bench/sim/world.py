@@ -7,7 +7,10 @@ Scenario files are TOML or JSON with these tables (every key has a default; see
     [[regions]]  name, phase_hours          (ServeGen day shifted per region: derived)
     [[models]]   name, profile, replicas    (replicas per region: int or {region = n})
     [latency]    one_way_ms                 (between any two regions)
-    [lb]         policy, pushing, queue, probe_interval_s, early_reprobe_s, forward, peer_queue_tau
+    [lb]         config (a daemon config file, e.g. "config/single-region.toml": its [routing],
+                 [pushing], [queue], [probes], [affinity] and [peering] tau), and overrides:
+                 policy, pushing, queue, probe_interval_s, early_reprobe_s, max_outstanding,
+                 push_credit, max_unseen, forward, peer_queue_tau
     [slo]        ttft_s, ttft_per_token_s (TTFT deadline = ttft_s + ttft_per_token_s × prompt), e2e_s
     [arrivals]   kind = "servegen" | "poisson" | "external" (only `Simulation.inject`); rate_scale (servegen) or rate (req/s per
                  region×model, poisson); shapes = "azure-conv" | "mooncake" | "fixed"
@@ -33,6 +36,7 @@ from bench.sim import arrivals as arr
 from bench.sim.core import EventLoop
 from bench.sim.metrics import MINUTE, Metrics, Slo
 from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
+from lb.core.affinity import AffinityConfig
 from lb.core.types import RequestFacts
 
 TOKEN_SPACE = 1 << 20  # distinct token ids per request: prompts never collide by accident
@@ -130,6 +134,19 @@ def _table(cls, data: dict | None, where: str):
     return cls(**data)
 
 
+def lb_config(table: dict | None) -> LBConfig:
+    """`[lb]`: `config = "FILE"` reads the daemon's config file (its format, checks and error
+    messages); the table's other keys override it."""
+    table = dict(table or {})
+    path = table.pop("config", None)
+    if isinstance(table.get("affinity"), dict):  # [lb.affinity]: checked as the daemon checks it
+        table["affinity"] = AffinityConfig(**table["affinity"])
+    if path is None:
+        return _table(LBConfig, table, "lb")
+    _table(LBConfig, table, "lb")  # unknown keys fail the same way with a file
+    return LBConfig.from_daemon_config(path, **table)
+
+
 def parse_config(data: dict) -> SimConfig:
     data = dict(data)
     models = [_table(ModelSpec, m, "models") for m in data.pop("models", [])]
@@ -139,7 +156,7 @@ def parse_config(data: dict) -> SimConfig:
         get_profile(m.profile)  # fails naming the known profiles
     cfg = SimConfig(
         models=models,
-        lb=_table(LBConfig, data.pop("lb", None), "lb"),
+        lb=lb_config(data.pop("lb", None)),
         slo=_table(Slo, data.pop("slo", None), "slo"),
         arrivals=_table(ArrivalSpec, data.pop("arrivals", None), "arrivals"),
         scaling=_table(ScalingSpec, data.pop("scaling", None), "scaling"),

@@ -2,6 +2,8 @@
 tenants there too, so a fair order changes who is served in virtual time."""
 from __future__ import annotations
 
+import pytest
+
 from bench.sim.world import Simulation, parse_config
 from lb.core.scheduler import Scheduler
 
@@ -46,3 +48,22 @@ def test_wsc_charges_tenants_in_the_simulator_and_serves_them_differently_from_f
     service = sim.lbs["local"].queue.service
     assert service.get("flood") > 0 and service.get("light") > 0  # charged when taken out
     assert not service.inflight  # and settled at completion: nothing left in flight
+
+
+def test_the_simulator_reads_the_daemons_config_file(tmp_path):
+    from lb.daemon.config import ConfigError, load
+
+    path = tmp_path / "lb.toml"
+    path.write_text('[routing]\npolicy = "round-robin"\n[pushing]\nmode = "sp-outstanding"\nmax_outstanding = 7\n'
+                    '[queue]\norder = "wsc"\n[probes]\ninterval_s = 0.05\n[affinity]\nhold_s = 3.0\n[peering]\ntau = 5\n')
+    daemon = load(path)
+    cfg = parse_config({"models": [{"name": "m"}], "arrivals": {"kind": "external"},
+                        "lb": {"config": str(path), "forward": False}})
+    lb = Simulation(cfg).lbs["local"]
+    assert lb.policy.name == daemon.routing.policy == "round-robin"
+    assert lb.scheduler.cfg.pushing == daemon.pushing.mode and lb.scheduler.cfg.max_outstanding == 7
+    assert lb.queue.name == "wsc" and lb.cfg.probe_interval_s == 0.05 and lb.cfg.peer_queue_tau == 5
+    assert lb.scheduler.affinity.cfg == daemon.affinity and not lb.cfg.forward  # [lb] keys override the file
+    path.write_text('[pushing]\nmod = "blind"\n')
+    with pytest.raises(ConfigError, match="pushing.mod"):  # the daemon's own message, naming the key
+        parse_config({"models": [{"name": "m"}], "lb": {"config": str(path)}})
