@@ -174,6 +174,7 @@ def start_testbed(fleet: Fleet, spec: ClusterSpec) -> Testbed:
             sections = {**base, **spec.lb, "server": {**base["server"], "port": lb_ports[n]},
                         "peering": {"region": n, "policy": spec.peer_policy, "tau": spec.tau,
                                     "probe_interval_s": probe_s, "probe_timeout_s": timeout_s,
+                                    "probe_timeout_max_s": max(2.0, timeout_s),
                                     "stale_intervals": math.ceil((timeout_s + rtt_s) / probe_s) + 1}}
             configs[n] = lb_toml(sections, [(s.url, spec.engine) for s in replicas[n]], peers)
             client_targets[n] = f"http://127.0.0.1:{lb_ports[n]}"

@@ -43,8 +43,10 @@ class PeeringConfig:
     region: str = "local"
     secret: str = ""  # shared by all peers (or env LB_PEER_SECRET); empty disables peering
     probe_interval_s: float = 0.1
-    probe_timeout_s: float = 0.1  # one interval: a hung peer counts as failed in time
-    stale_intervals: int = 3  # a status older than this many intervals means unavailable
+    probe_timeout_s: float = 0.1  # floor of the RTT-derived probe timeout (probe_timeout): a hung LAN peer fails in ~one interval
+    probe_timeout_rtts: float = 3.0  # a probe times out after this many smoothed round trips (at least probe_timeout_s)
+    probe_timeout_max_s: float = 2.0  # cap of the RTT-derived timeout, and the first probe's (no RTT measured yet)
+    stale_intervals: int = 3  # a status older than this many probe cycles (interval, or the RTT if longer): unavailable
     tau: int = DEFAULT_TAU
     policy: str = "prefix-trie"  # prefix-trie | consistent-hash | nearest
     adopt_after_s: float = 5.0  # grace period before adopting a dead peer's replicas
@@ -69,10 +71,13 @@ class PeeringConfig:
         return cfg
 
     def check(self, path: str = "peering") -> None:
-        for key in ("probe_interval_s", "probe_timeout_s", "stale_intervals", "adopt_after_s", "max_clock_skew_s",
+        for key in ("probe_interval_s", "probe_timeout_s", "probe_timeout_rtts", "probe_timeout_max_s", "stale_intervals", "adopt_after_s", "max_clock_skew_s",
                     "max_nonces"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{path}.{key}: must be > 0, got {getattr(self, key)}")
+        if self.probe_timeout_max_s < self.probe_timeout_s:
+            raise ValueError(f"{path}.probe_timeout_max_s: {self.probe_timeout_max_s} is below probe_timeout_s "
+                             f"({self.probe_timeout_s}); raise it to at least that")
         if self.tau < 0:
             raise ValueError(f"{path}.tau: must be >= 0, got {self.tau}")
         if self.policy not in PEER_POLICIES:
@@ -130,6 +135,8 @@ class PeerStatus:
     models: frozenset[str] = frozenset()
     running: int = 0
     rtt_s: float | None = None  # smoothed probe round trip
+    failures: int = 0  # consecutive failed probes (each doubles the next probe's timeout)
+    fresh_s: float | None = None  # how long its status stays fresh over this link (`fresh_for`); None: the caller's
     last_ok_at: float | None = None
     down_since: float | None = None  # first failed probe of the current outage
     forwarded_since_status: int = 0  # our forwards its last status cannot have counted
@@ -146,10 +153,12 @@ class PeerStatus:
         self.rtt_s = rtt_s if self.rtt_s is None else (1 - alpha) * self.rtt_s + alpha * rtt_s
         self.last_ok_at = now
         self.down_since = None
+        self.failures = 0
         self.forwarded_since_status = 0
 
     def record_failure(self, now: float) -> None:
         self.healthy = False
+        self.failures += 1
         if self.down_since is None:
             self.down_since = now
 
@@ -169,8 +178,31 @@ def residency_allows(tag: str | None, allowed: Sequence[str]) -> bool:
     return tag is None or tag in allowed or "*" in allowed
 
 
+def probe_timeout(pc: PeeringConfig, rtt_s: float | None, failures: int = 0) -> float:
+    """The next status probe's timeout over a link whose smoothed round trip is `rtt_s`.
+
+    A fixed timeout below the link's RTT would fail every probe, so the peer would never be
+    seen (100-200 ms one way is common between continents). `probe_timeout_rtts` RTTs leave room
+    for jitter and the peer's own work; the floor keeps LAN timeouts from chasing a sub-ms RTT;
+    doubling per consecutive failure lets a link that got slower be measured again (as TCP's
+    RTO backs off) instead of timing out forever; the cap bounds how long a hung peer holds a
+    probe. With no measurement yet the first probe waits up to the cap."""
+    if rtt_s is None:
+        return pc.probe_timeout_max_s
+    base = max(pc.probe_timeout_s, pc.probe_timeout_rtts * rtt_s)
+    return min(pc.probe_timeout_max_s, base * 2 ** min(failures, 16))
+
+
+def fresh_for(pc: PeeringConfig, rtt_s: float | None) -> float:
+    """How long a status stays fresh: `stale_intervals` probe cycles, where a cycle is the probe
+    interval or, over a link slower than it, one round trip (the next probe starts when the
+    last one answers)."""
+    return pc.stale_intervals * max(pc.probe_interval_s, rtt_s or 0.0)
+
+
 def peer_available(st: PeerStatus, model: str, *, tau: int, now: float, stale_s: float) -> bool:
-    if not st.healthy or st.last_ok_at is None or now - st.last_ok_at > stale_s:
+    """`stale_s`: the staleness limit at interval-long probe cycles; a slow link's own (`st.fresh_s`) may be longer."""
+    if not st.healthy or st.last_ok_at is None or now - st.last_ok_at > max(stale_s, st.fresh_s or 0.0):
         return False
     if st.queue_len + st.forwarded_since_status > tau:
         return False

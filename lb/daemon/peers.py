@@ -1,4 +1,5 @@
-"""Peer load balancers: status endpoint, 100 ms peer probes, forwarding hooks, failover.
+"""Peer load balancers: status endpoint, 100 ms peer probes (timeouts follow each link's
+RTT: lb.core.peering.probe_timeout), forwarding hooks, failover.
 
 Each peer is a `Replica` whose view has `engine="peer"`: the dispatcher hands it to the
 proxy like any replica when no local one can take a request (SkyWalker
@@ -34,7 +35,8 @@ from prometheus_client.core import GaugeMetricFamily
 from lb.core.facts import H_APP, H_FINAL_CALL, H_HOP, H_INTERACTION_ID, H_INTERACTION_STAGE, H_RESIDENCY, H_SESSION, H_TIER, H_USER
 from lb.core.health import HealthTracker
 from lb.core.peer_auth import STREAMED, Nonces, PeerAuthError, body_hash, check_timestamp, signature
-from lb.core.peering import PeerConfig, PeerRouter, PeerStatus, adoption_action, peer_available
+from lb.core.peering import (PeerConfig, PeerRouter, PeerStatus, adoption_action, fresh_for, peer_available,
+                             probe_timeout)
 from lb.core.scheduler import PeerSet, PeerTarget
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.config import Config, ReplicaConfig
@@ -138,7 +140,7 @@ class Peers:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=self.pc.probe_timeout_s), skip_auto_headers=("User-Agent",))
+            timeout=aiohttp.ClientTimeout(total=self.pc.probe_timeout_max_s), skip_auto_headers=("User-Agent",))
         for pcfg in self.cfg.peers:
             link = PeerLink(pcfg, PeerStatus(pcfg.region), self._target(pcfg))
             self.links[pcfg.region] = link
@@ -272,8 +274,9 @@ class Peers:
         assert self.session is not None
         t0 = time.monotonic()
         doc = None
+        timeout = aiohttp.ClientTimeout(total=probe_timeout(self.pc, link.status.rtt_s, link.status.failures))
         try:
-            async with self.session.get(link.cfg.url + STATUS_PATH, headers=auth_headers(
+            async with self.session.get(link.cfg.url + STATUS_PATH, timeout=timeout, headers=auth_headers(
                     self.pc.secret, self.pc.region, "GET", STATUS_PATH)) as r:
                 body = await r.read()
                 if r.status == 200:
@@ -287,6 +290,7 @@ class Peers:
         was = st.healthy
         if isinstance(doc, dict):
             st.record_status(doc, now - t0, now)
+            st.fresh_s = fresh_for(self.pc, st.rtt_s)
             link.replicas = [r for r in doc.get("replicas") or () if isinstance(r, dict) and r.get("url")]
             view.models, view.pending, view.running = st.models, st.queue_len, st.running
             view.pushed_since_probe = 0

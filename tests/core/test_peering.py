@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lb.core.peering import (PeerConfig, PeeringConfig, PeerRouter, PeerStatus, adoption_action, apply_peer_args,
-                             local_or_peer, peer_available, peers_from_list, residency_allows)
+                             fresh_for, local_or_peer, peer_available, peers_from_list, probe_timeout,
+                             residency_allows)
 from lb.core.types import RequestFacts
 
 NOW = 100.0
@@ -111,3 +112,34 @@ def test_config_parsing_and_cli_overrides():
     assert merged == (PeerConfig("eu", "http://eu2:1", ("eu",), True), PeerConfig("asia", "http://asia:1"))
     with pytest.raises(ValueError, match="NAME=URL"):
         apply_peer_args(PeeringConfig(), (), None, ["eu"])
+
+
+def test_probe_timeout_follows_the_link_rtt_with_floor_backoff_and_cap():
+    pc = PeeringConfig()  # floor 0.1 s, 3 RTTs, cap 2 s
+    assert probe_timeout(pc, None) == pc.probe_timeout_max_s  # nothing measured: the first probe may take the cap
+    assert probe_timeout(pc, 0.0005) == pytest.approx(0.1)  # LAN: the floor, a hung peer still fails fast
+    assert probe_timeout(pc, 0.3) == pytest.approx(0.9)  # 150 ms each way: well above the 0.1 s of old
+    assert probe_timeout(pc, 0.3, failures=1) == pytest.approx(1.8)  # a link that got slower is measured again
+    assert probe_timeout(pc, 0.3, failures=5) == pc.probe_timeout_max_s
+    assert probe_timeout(pc, 5.0) == pc.probe_timeout_max_s
+    st = PeerStatus("eu")  # the EWMA the daemon feeds: failures count up, a good status resets them
+    st.record_failure(NOW)
+    st.record_failure(NOW)
+    assert st.failures == 2
+    st.record_status({"healthy": True, "models": ["m"]}, 0.3, NOW)
+    assert st.failures == 0 and probe_timeout(pc, st.rtt_s, st.failures) == pytest.approx(0.9)
+
+
+def test_a_slow_link_keeps_its_status_fresh_for_several_round_trips():
+    pc = PeeringConfig()  # 0.1 s interval, 3 intervals
+    assert fresh_for(pc, 0.001) == pytest.approx(0.3)
+    assert fresh_for(pc, 0.3) == pytest.approx(0.9)  # one probe cycle is one round trip
+    st = status("asia", rtt=0.3, age=0.5)
+    assert not peer_available(st, "m", tau=2, now=NOW, stale_s=STALE)  # judged at LAN cycles: stale
+    st.fresh_s = fresh_for(pc, st.rtt_s)
+    assert peer_available(st, "m", tau=2, now=NOW, stale_s=STALE)
+
+
+def test_probe_timeout_cap_below_its_floor_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="probe_timeout_max_s"):
+        PeeringConfig.from_dict({"probe_timeout_s": 3.0})
