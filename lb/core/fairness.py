@@ -44,6 +44,14 @@ class WscConfig:
     ewma_alpha: float = 0.1
     user_priority: dict = field(default_factory=dict)  # tenant → factor (<1 served more)
     default_output_tokens: int = 256  # charged at dispatch until lengths are learned
+    # > 0: tenants are ordered by service decayed with this half-life (s), and a tenant coming
+    # back is not lifted; 0: cumulative counters with VTC's lift (the papers' rule). See
+    # `WeightedService.standing` for why the decayed rule isolates bursty tenants better.
+    half_life_s: float = 60.0
+
+
+# VTC as its paper defines it: plain token counts, cumulative counters, the lift.
+VTC_CONFIG = WscConfig(alpha=1, beta=1, gamma=1, weighted=False, half_life_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,7 @@ class FairnessConfig:
             ewma_alpha=_pos(w.pop("ewma_alpha", 0.1), f"{path}.wsc.ewma_alpha"),
             user_priority=prio,
             default_output_tokens=int(_pos(w.pop("default_output_tokens", 256), f"{path}.wsc.default_output_tokens")),
+            half_life_s=_nonneg(w.pop("half_life_s", 60.0), f"{path}.wsc.half_life_s"),
         )
         if w:
             raise ValueError(f"{path}.wsc: unknown keys {sorted(w)}")
@@ -252,7 +261,16 @@ class WeightedService:
     A call of user i in app a at stage j costs (α·input + β·system + γ·output) / w_aj times
     the user's priority factor, where w_aj is the EWMA of that stage's weighted tokens. It is
     charged at dispatch with an estimate and corrected at completion with actual tokens.
-    `lift` keeps a newly active user from banking idle time.
+
+    Queue orders rank users by `standing`. With `half_life_s = 0` that is the cumulative
+    counter and `lift` (VTC's rule) raises a user becoming active to the least active
+    counter, so idle time is not banked. That rule is what let an abuser hurt bursty honest
+    tenants: each time such a tenant came back it was lifted to the abuser's counter and then
+    split the engine 50/50 with it for the whole burst, however little it had used before
+    (docs/fairness.md has the simulator's evidence). With `half_life_s > 0` (the default)
+    the standing is the service of the last few half-lives instead: a tenant that used less
+    than the abuser recently goes first for as long as that stays true, and what it can
+    bank is bounded by the decay, so no lift is needed.
     """
 
     def __init__(self, cfg: WscConfig | None = None):
@@ -264,6 +282,7 @@ class WeightedService:
         self.weights = EwmaTable(self.cfg.ewma_alpha, self.cfg.default_weight, seeds)
         self.outputs = EwmaTable(self.cfg.ewma_alpha, float(self.cfg.default_output_tokens))
         self.counters: dict[str, float] = {}
+        self._recent: dict[str, tuple[float, float, float]] = {}  # user → (decayed, as of, counter then)
         self.inflight: dict[str, int] = {}
         self._charged: dict[str, tuple[str, float]] = {}  # request id → (user, amount)
         self._deltas: dict[str, float] = {}  # since the last drain, for a shared store
@@ -274,6 +293,20 @@ class WeightedService:
 
     def get(self, user: str) -> float:
         return self.counters.get(user, 0.0)
+
+    def standing(self, user: str, now: float) -> float:
+        """What queue orders rank `user` by (least first): the cumulative counter, or with a
+        half-life the service decayed to `now`. The decayed value follows the counter's
+        growth, including totals adopted from a shared store (several LBs), so it needs no
+        clock at charge time: growth since the last look is added, then decay runs."""
+        counter = self.get(user)
+        half = self.cfg.half_life_s
+        if half <= 0:
+            return counter
+        decayed, at, seen = self._recent.get(user, (0.0, now, 0.0))
+        value = decayed * 0.5 ** (max(0.0, now - at) / half) + (counter - seen)
+        self._recent[user] = (value, now, counter)
+        return value
 
     def cost(self, facts: RequestFacts, input_tokens: int, system_tokens: int, output_tokens: float) -> float:
         c = self.cfg
@@ -315,7 +348,10 @@ class WeightedService:
         return actual - charged
 
     def lift(self, user: str, active: Sequence[str]) -> None:
-        """VTC's rule for a user becoming active: raise its counter to the least active one."""
+        """VTC's rule for a user becoming active: raise its counter to the least active one
+        (cumulative counters only: a decayed standing bounds what idle time banks)."""
+        if self.cfg.half_life_s > 0:
+            return
         others = [self.get(u) for u in active if u != user]
         if others and self.get(user) < min(others):
             self._add(user, min(others) - self.get(user))

@@ -31,7 +31,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from lb.core.fairness import WeightedService, WscConfig
+from lb.core.fairness import VTC_CONFIG, WeightedService
 from lb.core.tiers import TIER_RANK, TierConfig
 from lb.core.types import QueueEntry, RequestFacts, Tier
 
@@ -319,7 +319,9 @@ def mid_interaction(facts: RequestFacts, now: float) -> bool:
 
 class WSCQueue(_MembershipQueue):
     """Least-served user first; within a user, calls of interactions in progress first, then
-    FIFO. A user becoming active is lifted to the least active counter when it pushes —
+    FIFO. Users rank by `WeightedService.standing` (by default service decayed with a
+    half-life; see there why). With cumulative counters (`half_life_s = 0`, the papers'
+    rule) a user becoming active is lifted to the least active counter when it pushes —
     unless the call continues an interaction in progress: a user between the stages of an
     interaction is not idle, and lifting it there would hand the interaction's next stage to
     the back of a flooding user's line at every stage. Ties go to the user with fewer calls
@@ -362,9 +364,10 @@ class WSCQueue(_MembershipQueue):
     def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
         self.service.complete(facts, input_tokens=input_tokens, output_tokens=output_tokens)
 
-    def _user_key(self, user: str) -> tuple:
+    def _user_key(self, user: str, now: float) -> tuple:
         # ties: the user with fewer calls running, then whose oldest waiting entry came first
-        return (self.service.get(user), self.service.inflight.get(user, 0), self._seq[next(iter(self._by_user[user]))])
+        return (self.service.standing(user, now), self.service.inflight.get(user, 0),
+                self._seq[next(iter(self._by_user[user]))])
 
     def _user_entries(self, user: str, now: float) -> list[QueueEntry]:
         entries = list(self._by_user[user])
@@ -373,11 +376,12 @@ class WSCQueue(_MembershipQueue):
     def peek(self, now: float) -> QueueEntry | None:
         if not self._by_user:
             return None
-        entries = self._by_user[min(self._by_user, key=self._user_key)]
+        entries = self._by_user[min(self._by_user, key=lambda u: self._user_key(u, now))]
         return next((e for e in entries if self.in_progress(e.facts, now)), next(iter(entries)))
 
     def iter_in_order(self, now: float) -> Iterator[QueueEntry]:
-        return self._walk([e for u in sorted(self._by_user, key=self._user_key) for e in self._user_entries(u, now)])
+        return self._walk([e for u in sorted(self._by_user, key=lambda u: self._user_key(u, now))
+                           for e in self._user_entries(u, now)])
 
 
 class VTCQueue(WSCQueue):
@@ -387,7 +391,7 @@ class VTCQueue(WSCQueue):
     name = "vtc"
 
     def __init__(self, service: WeightedService | None = None, **_):
-        super().__init__(service or WeightedService(WscConfig(alpha=1, beta=1, gamma=1, weighted=False)),
+        super().__init__(service or WeightedService(VTC_CONFIG),
                          in_progress=lambda facts, now: False)
 
 

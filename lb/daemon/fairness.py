@@ -10,7 +10,7 @@ from typing import Mapping
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from lb.core.admission import ServiceRate
-from lb.core.fairness import (InteractionLedger, OverloadDetector, WeightedService, WscConfig, rate_limits,
+from lb.core.fairness import (VTC_CONFIG, InteractionLedger, OverloadDetector, WeightedService, rate_limits,
                               throttle_decision)
 from lb.core.identity import IdentityError, parse_identity
 from lb.core.queueing import make_queue
@@ -26,7 +26,7 @@ class Fairness:
         self.cfg = cfg
         self.store = make_store(cfg.state)
         self.ledger = InteractionLedger(cfg.fairness.interaction_ttl_s)
-        wsc = cfg.fairness.wsc if cfg.queue.order != "vtc" else WscConfig(alpha=1, beta=1, gamma=1, weighted=False)
+        wsc = cfg.fairness.wsc if cfg.queue.order != "vtc" else VTC_CONFIG
         self.service = WeightedService(wsc)
         self.overload = OverloadDetector.from_config(cfg.fairness)
         self.throttled = 0

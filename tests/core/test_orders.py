@@ -133,7 +133,7 @@ def test_wsc_priority_factor_lets_a_premium_user_take_more_service():
 
 
 def test_wsc_lifts_a_newly_active_user_so_idle_time_is_not_banked():
-    svc = service(default_weight=1.0, default_output_tokens=0)
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0)  # the papers' cumulative rule
     q = make_queue("wsc", service=svc)
     for i in range(5):
         q.push(entry(f"a{i}", t=i, user="busy", prompt_tokens=10))
@@ -148,7 +148,7 @@ def test_wsc_lifts_a_newly_active_user_so_idle_time_is_not_banked():
 
 
 def test_wsc_does_not_lift_a_user_between_stages_of_an_interaction_and_ties_go_to_the_idle_user():
-    svc = service(default_weight=1.0, default_output_tokens=0)
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0)  # the papers' cumulative rule
     q = make_queue("wsc", service=svc)
     for i in range(8):
         q.push(entry(f"a{i}", t=i, user="flood", prompt_tokens=10))
@@ -169,6 +169,34 @@ def test_wsc_does_not_lift_a_user_between_stages_of_an_interaction_and_ties_go_t
     # a new interaction after going idle is lifted again: idle time is not banked
     q.push(entry("c0", t=12, user="benign", prompt_tokens=10, interaction_id="other", interaction_stage=0))
     assert svc.get("benign") == svc.get("flood") and q.peek(12.0).facts.request_id == "c0"
+
+
+def test_wsc_decayed_standing_serves_a_returning_bursty_tenant_ahead_of_a_flood_for_a_bounded_burst():
+    """The default (half-life) rule: a tenant that used less than the flood recently is not
+    lifted to the flood's counter when it comes back, so its whole burst goes first (the
+    cumulative rule would split it 50/50 with the flood); its credit is bounded: once its
+    recent service passes the flood's it alternates again."""
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=10.0)
+    q = make_queue("wsc", service=svc)
+    for i in range(40):
+        q.push(entry(f"f{i}", t=0, user="flood", prompt_tokens=1))
+    for k in range(20):  # the flood alone for 20 s: 1 unit a second
+        assert q.pop(float(k)).facts.user == "flood"
+        svc.complete(entry(f"f{k}", user="flood").facts, input_tokens=1, output_tokens=0)
+    for i in range(20):  # a burst of 20 calls from a tenant idle until now
+        q.push(entry(f"b{i}", t=20, user="burst", prompt_tokens=1))
+    assert svc.get("burst") == 0.0  # not lifted
+    flood_recent = svc.standing("flood", 20.0)  # 20 units decayed: about 10/ln 2 · (1 − 2^-2) ≈ 11
+    assert 10 < flood_recent < 12
+    served = [q.pop(20.0 + 0.001 * k).facts.user for k in range(30)]
+    leading = served.index("flood")
+    assert leading == int(flood_recent) + 1  # ahead while its recent service is below the flood's
+    assert served[leading:].count("flood") >= 8  # then they alternate: the credit was bounded
+
+
+def test_vtc_keeps_the_papers_cumulative_counters_and_lift():
+    q = make_queue("vtc")
+    assert q.service.cfg.half_life_s == 0
 
 
 def test_wsc_prefers_calls_of_interactions_in_progress_within_a_user():
