@@ -159,7 +159,8 @@ def run(out_dir: Path, quick: bool, duration: float | None = None) -> dict:
         alive = lb.popen.poll() is None
     figures = {**counts, "duration_s": round(wall, 1), "shape_changes": rotator.count, "lb_alive": alive,
                "lb_start": start, "lb_end": end}
-    notes = [f"{counts['sent']} requests in {wall:.1f}s, {rotator.count} shape changes: {counts['ok']} answered 2xx, "
+    notes = [f"{counts['sent']} requests sent over {duration:g}s (the last answered {wall - duration:.1f}s later), "
+             f"{rotator.count} shape changes: {counts['ok']} answered 2xx, "
              f"{counts['clear_error']} with a clear error, {counts['lost']} lost",
              f"lb RSS {start['rss_mb']} -> {end['rss_mb']} MB, open fds {start['open_fds']} -> {end['open_fds']}"]
     warnings = [f"{counts['lost']} requests lost, e.g. {counts['lost_examples'][:3]}"] if counts["lost"] else []
