@@ -39,10 +39,10 @@ def table(summary: dict) -> str:
     if peer and ours:
         p = summary["systems"][peer]
         rows.append("")
-        rows.append(f"lb vs the best peer ({peer}, by throughput): throughput "
-                    f"{_ratio(ours['throughput_rps']['median'], p['throughput_rps']['median'])}, "
-                    f"TTFT p50 {_ratio(p['ttft_p50_s']['median'], ours['ttft_p50_s']['median'])} lower, "
-                    f"TTFT p90 {_ratio(p['ttft_p90_s']['median'], ours['ttft_p90_s']['median'])} lower")
+        rows.append(f"lb / best peer ({peer}, by throughput): throughput "
+                    f"{_ratio(ours['throughput_rps']['median'], p['throughput_rps']['median'])} (> 1: lb better), "
+                    f"TTFT p50 {_ratio(ours['ttft_p50_s']['median'], p['ttft_p50_s']['median'])}, "
+                    f"TTFT p90 {_ratio(ours['ttft_p90_s']['median'], p['ttft_p90_s']['median'])} (< 1: lb better)")
     return "\n".join(rows)
 
 
