@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if args.load <= 0:
         raise SystemExit("--load must be > 0 (a share of the fleet's capacity, e.g. 0.9)")
     workload = get(args.workload)
+    if workload.runner is not None:  # its own systems and columns (e.g. fairness)
+        return workload.runner(args)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise SystemExit("--seeds must be >= 1")

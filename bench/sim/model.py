@@ -37,6 +37,7 @@ from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
 from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT, record_push, settle_probe
+from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
@@ -79,6 +80,7 @@ class LBConfig:
     peer_queue_tau: int = 0  # a peer is available only with its queue at most this long
     policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults)
 
     @classmethod
     def from_daemon_config(cls, path: str, **overrides) -> "LBConfig":
@@ -259,7 +261,8 @@ class SimLB:
                  seed: int, phase: float = 0.0, on_done: Callable[[SimRequest], None] | None = None):
         self.region, self.loop, self.cfg, self.metrics = region, loop, cfg, metrics
         self.policy = make_policy(cfg.policy, seed=seed, **cfg.policy_options)
-        self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue))
+        service = WeightedService(cfg.wsc) if cfg.wsc is not None else None
+        self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue, service=service))
         self.peer_router = PeerRouter("nearest", seed=seed)
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}

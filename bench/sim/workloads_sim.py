@@ -45,6 +45,8 @@ class Workload:
     requests_per_program: float = 1.0
     calls: Callable[[int], Iterator[Timed]] | None = None  # replay: seed -> unscaled timed calls
     natural_rps: Callable[[], float] | None = None  # replay: the trace's own mean rate
+    # a workload with its own systems and columns (fairness): runs the whole command itself
+    runner: Callable[[object], int] | None = None
 
     def make_program_workload(self, seed: int):
         params = dict(self.program)
@@ -182,3 +184,15 @@ register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "
                   "one-way WAN 40/80/90 ms), 2 L4 replicas each; lb per region with peering, each peer "
                   "one central router in us", THREE_REGIONS, "programs", program=TOT, requests_per_program=15))
+
+
+def _fairness(args) -> int:
+    from bench.sim.fair_workload import run
+
+    return run(args)
+
+
+register(Workload("fairness", "FairServe: 4 ServeGen tenants in 3-stage interactions + one tenant at 10x the mean "
+                  "rate, 1 tiny engine (max-running 2) as the live scenario; lb fcfs/rpm/vtc/wsc/wsc+oit; "
+                  "benign P90 ratio, service shares, aborted interactions, wasted tokens",
+                  ONE_REGION, "custom", runner=_fairness))
