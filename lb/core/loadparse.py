@@ -157,7 +157,7 @@ def _vllm_free_kv(text: bytes) -> tuple[float | None, int | None]:
     return max(usage.values()), (max(free) if free else None)
 
 
-def parse_vllm_metrics(body: bytes) -> Load:
+def parse_vllm_metrics(body: bytes) -> EngineLoad:
     """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
     (`_vllm_free_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
     vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running"))
@@ -165,7 +165,7 @@ def parse_vllm_metrics(body: bytes) -> Load:
         raise ValueError("/metrics has no vllm:num_requests_waiting")
     kv_usage, kv_free = _vllm_free_kv(body)
     running = vals.get("vllm:num_requests_running")
-    return Load(pending=int(vals["vllm:num_requests_waiting"]),
+    return EngineLoad(pending=int(vals["vllm:num_requests_waiting"]),
                 running=None if running is None else int(running),
                 kv_usage=kv_usage, kv_free_tokens=kv_free)
 

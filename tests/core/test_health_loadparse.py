@@ -83,7 +83,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blo
 def test_vllm_free_kv_from_usage_and_cache_config_info():
     load = loadparse.parse_vllm_metrics(VLLM_SIZED)
     # engine 1 has the most room: (1 - 0.5) x 1000 blocks x 16 tokens; the deprecated name loses
-    assert load == loadparse.Load(pending=0, running=7, kv_usage=0.75, kv_free_tokens=8000)
+    assert load == loadparse.EngineLoad(pending=0, running=7, kv_usage=0.75, kv_free_tokens=8000)
     old = VLLM_SIZED.replace(b"kv_cache_usage_perc", b"gpu_cache_usage_perc_x")  # only the old name
     assert loadparse.parse_vllm_metrics(old).kv_free_tokens == int((1 - 0.9) * 16000)
     unsized = VLLM_SIZED.replace(b'num_gpu_blocks="1000"', b'num_gpu_blocks="None"')
