@@ -32,6 +32,24 @@ Scheduling, as SGLang and vLLM do it:
   token. When a step's tokens do not fit, the newest running request of the lowest priority
   is preempted back to waiting (recompute: its prompt and output so far are prefilled again,
   mostly from the cache, when it is readmitted).
+- SGLang's scheduler, when the profile asks for it (`Profile.as_sglang`): admission checks a
+  request's uncached prompt plus its whole remaining max_new_tokens (clipped at 4096) against
+  the free KV minus `ratio × remaining max_new_tokens` of every running request, where
+  `ratio` starts at 0.7, decays by (0.7 − 0.098)/600 per decode step down to 0.098 and is
+  reset when the engine idles; so after a quiet stretch SGLang admits far more than fits
+  for the whole output. When a decode step does not fit, it retracts requests (fewest
+  output tokens first, longest prompt among those) until 20 decode steps of the rest fit,
+  and raises `ratio` to (tokens decoded + 20 × running) / Σ max_new_tokens (at most 1).
+  Sources: sglang python/sglang/srt/managers/schedule_policy.py (`PrefillAdder.add_one_req`,
+  `rem_total_tokens`), schedule_batch.py (`retract_decode`), scheduler.py
+  (`update_running_batch`, `self_check_during_idle`), environ.py — sglang main, 2025.
+  Waiting order "lpm": the queue is sorted by the longest cached prefix before each
+  admission, falling back to arrival order when more than 128 wait (schedule_policy.py
+  `_determine_active_policy`); admission still stops at the first request that does not fit.
+- Waiting requests pin nothing: like SGLang's radix cache (only running requests hold
+  `lock_ref`) and vLLM's block pool (blocks are touched only when scheduled), the cached
+  prefix of a waiting request can be evicted before it is admitted; `lost_while_waiting`
+  counts the prompt tokens lost that way.
 - Prefix cache: a radix tree of hash-chained token blocks (`profile.block_size`). Prompt
   blocks are inserted when prefill completes, prompt + output when a request ends (also on
   abort and preemption, up to what was computed). Unreferenced leaf blocks are evicted LRU
@@ -56,6 +74,11 @@ from bench.profiles import Profile
 from bench.tokenizer import OUTPUT_IDS
 
 FIXED_TOKEN = OUTPUT_IDS[0]  # the one output id emitted with token_ids=False
+# sglang environ.py: SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, SGLANG_RETRACT_DECODE_STEPS;
+# schedule_policy.py: LPM falls back to FCFS above this many waiting requests.
+CLIP_MAX_NEW_TOKENS = 4096
+RETRACT_DECODE_STEPS = 20
+LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -102,6 +125,11 @@ class Counters:
     preemptions: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the cache (first admission)
     prefix_hits: int = 0  # of which found
+    evicted_tokens: int = 0  # prefix-cache tokens evicted to make room
+    # prompt tokens that were cached when a request arrived but evicted before it was first
+    # admitted: what a waiting queue costs when waiting requests do not pin their prefix
+    # (neither SGLang's radix cache nor vLLM's block pool locks a waiting request's blocks)
+    lost_while_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -227,7 +255,8 @@ class _Seq:
     """Engine-side state of one request."""
 
     __slots__ = ("req", "no", "tokens", "prompt_len", "target", "rng", "keys", "blocks",
-                 "private", "computed", "prefill_end", "admit_no", "cached_tokens", "admitted")
+                 "private", "computed", "prefill_end", "admit_no", "cached_tokens", "admitted",
+                 "cached_at_submit")
 
     def __init__(self, req: EngineRequest, no: int, target: int, rng: random.Random):
         self.req, self.no, self.target, self.rng = req, no, target, rng
@@ -241,6 +270,7 @@ class _Seq:
         self.admit_no = 0
         self.cached_tokens = 0
         self.admitted = False  # ever admitted (counters and cached_tokens count once)
+        self.cached_at_submit = 0  # prompt tokens the cache held when the request arrived
 
     @property
     def output_len(self) -> int:
@@ -264,6 +294,11 @@ class Engine:
         self._private = 0  # Σ seq.private
         self._order = itertools.count()
         self._busy_until = -math.inf
+        r = profile.new_token_ratio
+        self._ratio_init = r[0] if r else 0.0
+        self._ratio_min = r[0] * r[1] if r else 0.0
+        self._ratio_decay = (r[0] - r[0] * r[1]) / r[2] if r else 0.0
+        self.new_token_ratio = self._ratio_init
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -289,6 +324,9 @@ class Engine:
             drawn = round(rng.lognormvariate(math.log(p.output_median), p.output_sigma))
             target = max(1, min(req.max_new_tokens, drawn))
         seq = _Seq(req, next(self._order), target, rng)
+        b = self.profile.block_size
+        seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
+        seq.cached_at_submit = len(self.cache.match(seq.keys)) * b
         self._by_id[req.id] = seq
         self._enqueue(seq)
         self._admit(now)  # a request that fits is running at once: waiting means "no room"
@@ -325,13 +363,18 @@ class Engine:
         if not self._running:
             assert not self._waiting, "a waiting request cannot be admitted into an empty engine"
             return result
+        sglang = self.profile.new_token_ratio is not None
         while True:
             decodes, chunks, emitting = self._plan()
-            if emitting <= self._free():
+            if emitting <= self._free() and not (
+                    sglang and result.preempted and len(self._running) > 1
+                    and self._free() < RETRACT_DECODE_STEPS * len(self._running)):
                 break
-            victim = max(self._running, key=lambda s: (-s.req.priority, s.admit_no))
+            victim = self._victim()
             self._preempt(victim, now)
             result.preempted.append(victim.req.id)
+        if sglang:
+            self._update_ratio(bool(result.preempted), bool(decodes))
         self._allocate(emitting)
         p = self.profile
         context = 0
@@ -382,6 +425,39 @@ class Engine:
         running requests' next slots before admitting new ones."""
         return max(1, min(self.profile.decode_reserve, seq.req.max_new_tokens) - seq.output_len)
 
+    def _victim(self) -> _Seq:
+        """Who gives its KV back when a step does not fit: the lowest priority first, then
+        vLLM's newest admission, or SGLang's `retract_decode` order (fewest output tokens,
+        the longest prompt among those)."""
+        if self.profile.new_token_ratio is not None:
+            return max(self._running, key=lambda s: (-s.req.priority, -s.output_len, s.prompt_len, s.admit_no))
+        return max(self._running, key=lambda s: (-s.req.priority, s.admit_no))
+
+    def _update_ratio(self, retracted: bool, decoded: bool) -> None:
+        """SGLang's new-token ratio after a step: up to what the running requests actually
+        need after a retraction (schedule_batch.py `retract_decode`), else one decay step
+        per decode step (scheduler.py `update_running_batch`)."""
+        if retracted and self._running:
+            decoded_tokens = sum(s.output_len for s in self._running)
+            max_new = sum(s.req.max_new_tokens for s in self._running)
+            self.new_token_ratio = min(1.0, (decoded_tokens + RETRACT_DECODE_STEPS * len(self._running))
+                                       / (max_new + 1))
+        elif decoded:
+            self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - self._ratio_decay)
+
+    def _remaining_new(self, seq: _Seq) -> int:
+        return max(0, min(seq.req.max_new_tokens - seq.output_len, CLIP_MAX_NEW_TOKENS))
+
+    def _admission_order(self) -> list[_Seq]:
+        """The waiting queue in the order admission tries it: arrival order (within
+        priority), or SGLang's LPM (longest cached prefix first) while at most 128 wait."""
+        if self.profile.waiting_order != "lpm" or not 1 < len(self._waiting) <= LPM_MAX_QUEUE:
+            return self._waiting
+        b = self.profile.block_size
+        for seq in self._waiting:
+            seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
+        return sorted(self._waiting, key=lambda s: (-s.req.priority, -len(self.cache.match(s.keys)), s.no))
+
     def _enqueue(self, seq: _Seq) -> None:
         bisect.insort(self._waiting, seq, key=lambda s: (-s.req.priority, s.no))
 
@@ -389,7 +465,7 @@ class Engine:
         """Take `tokens` of KV outside the cache, evicting unreferenced cache blocks if needed."""
         short = tokens - (self.profile.kv_tokens - self.cache.size_tokens - self._private)
         if short > 0:
-            self.cache.evict(short)
+            self.counters.evicted_tokens += self.cache.evict(short)
         assert self.cache.size_tokens + self._private + tokens <= self.profile.kv_tokens
         self._private += tokens
 
@@ -397,20 +473,40 @@ class Engine:
         if not self._waiting:  # the common case, called every step: skip the reservation sum
             return
         p, b = self.profile, self.profile.block_size
-        r = p.decode_reserve  # Σ _reservation, inlined: this runs every step while any wait
-        reserved = sum(max(1, min(r, s.req.max_new_tokens) - len(s.tokens) + s.prompt_len) for s in self._running)
-        while self._waiting and (p.max_running is None or len(self._running) < p.max_running):
-            seq = self._waiting[0]
+        sglang = p.new_token_ratio is not None
+        if sglang:
+            if not self._running:  # scheduler.py self_check_during_idle: reset when idle
+                self.new_token_ratio = self._ratio_init
+            ratio = self.new_token_ratio
+            reserved = sum(self._remaining_new(s) * ratio for s in self._running)
+        else:
+            r = p.decode_reserve  # Σ _reservation, inlined: this runs every step while any wait
+            reserved = sum(max(1, min(r, s.req.max_new_tokens) - len(s.tokens) + s.prompt_len) for s in self._running)
+        order = self._admission_order()  # self._waiting itself, or a sorted copy
+        i = 0
+        while i < len(order) and (p.max_running is None or len(self._running) < p.max_running):
+            seq = order[i]
             # leave at least the last token to compute: the engine needs its logits
             seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
             matched = self.cache.match(seq.keys)
             cached = len(matched) * b
             reactivated = b * sum(1 for blk in matched if blk.refs == 0)
-            reservation = self._reservation(seq)
-            need = len(seq.tokens) - cached + reactivated + reservation
-            if need > self._free() - reserved:
-                break
-            self._waiting.pop(0)
+            uncached = len(seq.tokens) - cached + reactivated
+            if sglang:
+                # add_one_req: the whole remaining output must fit now; reserve ratio × it after
+                remaining = self._remaining_new(seq)
+                if uncached + max(1, remaining) >= self._free() - reserved:
+                    break
+                reservation = remaining * ratio
+            else:
+                reservation = self._reservation(seq)
+                if uncached + reservation > self._free() - reserved:
+                    break
+            if order is self._waiting:
+                order.pop(i)
+            else:
+                self._waiting.remove(seq)
+                i += 1
             self.cache.acquire(matched, now)
             seq.blocks = matched
             seq.computed = cached
@@ -428,6 +524,7 @@ class Engine:
                 c.cached_tokens += cached
                 c.prefix_queries += seq.prompt_len
                 c.prefix_hits += cached
+                c.lost_while_waiting += max(0, seq.cached_at_submit - cached)
 
     def _plan(self) -> tuple[list[_Seq], list[tuple[_Seq, int]], int]:
         """This step's decoding sequences, prefill chunks, and how many tokens it emits."""

@@ -14,6 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 
+# sglang python/sglang/srt/environ.py (main, 2025): SGLANG_INIT_NEW_TOKEN_RATIO 0.7,
+# SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600.
+SGLANG_NEW_TOKEN_RATIO = (0.7, 0.14, 600)
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -28,10 +33,22 @@ class Profile:
     block_size: int = 16  # prefix-cache block (page) size in tokens
     max_running: int | None = 256  # vLLM max_num_seqs default; None: KV is the only limit
     decode_reserve: int = 128  # KV tokens reserved per request at admission for decode growth
+    # SGLang's admission estimate instead of `decode_reserve`: (init ratio, min factor, decay
+    # steps); each request reserves ratio × its remaining max_new_tokens (clipped at 4096), the
+    # ratio decays per decode step and jumps back up on a retraction (bench/engine.py).
+    # None: the fixed `decode_reserve` (vLLM-like). SGLang's defaults: (0.7, 0.14, 600).
+    new_token_ratio: tuple[float, float, int] | None = None
+    waiting_order: str = "fcfs"  # "fcfs", or "lpm": SGLang's longest-prefix-match order
     output_median: int = 134  # without ignore_eos: lognormal output length (Azure conv median)
     output_sigma: float = 0.9
     source: str = ""
     reference: dict[str, tuple[object, str]] = field(default_factory=dict)
+
+    def as_sglang(self) -> "Profile":
+        """The same hardware with SGLang's scheduler (defaults of sglang `--schedule-policy
+        fcfs|lpm`: lpm is its default; ratio constants from sglang/srt/environ.py)."""
+        return replace(self, name=f"{self.name}-sglang", new_token_ratio=SGLANG_NEW_TOKEN_RATIO,
+                       waiting_order="lpm")
 
     def with_overrides(self, **changes: object) -> "Profile":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -124,6 +141,12 @@ PROFILES: dict[str, Profile] = {
         reference={},
     ),
 }
+
+
+# The L4 testbed with SGLang's scheduler (SkyWalker's engine): the same timing, SGLang's
+# admission estimate, retraction and LPM waiting order.
+PROFILES["l4-llama3-8b-sglang"] = PROFILES["l4-llama3-8b"].as_sglang()
+PROFILES["tiny-sglang"] = PROFILES["tiny"].as_sglang()  # tests: SGLang's scheduler in small
 
 
 def get_profile(name: str) -> Profile:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.sim.arena import Arena, lb_config
+from bench.sim.arena import Arena, FleetSpec, lb_config
+from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import WORKLOADS, get
 
@@ -45,8 +46,8 @@ def systems() -> list[str]:
     return list(LB_VARIANTS) + list(PEERS)
 
 
-def make_arena(workload: str, system: str, seed: int) -> Arena:
-    fleet = get(workload).fleet
+def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None) -> Arena:
+    fleet = fleet or get(workload).fleet
     if system in LB_VARIANTS:
         return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]))
     return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed))
@@ -69,6 +70,7 @@ def run_one(args: tuple[str, str, int, float, float]) -> dict:
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed)
     get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
+    waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
     done = [d for d in arena.done if d.sent_at + d.e2e <= duration_s]
     ttft = np.array([d.ttft for d in done]) if done else np.empty(0)
@@ -84,6 +86,7 @@ def run_one(args: tuple[str, str, int, float, float]) -> dict:
         "cut_at_deadline": arena.sent - len(done),
         "sent": arena.sent,
         "ttft": ttft.round(4).tolist(),
+        "replicas": replica_stats(arena, waiting),
         "wall_s": time.perf_counter() - wall,
     }
 
@@ -132,6 +135,8 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
     })
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    engines = [{"system": r["system"], "seed": r["seed"], "replicas": r["replicas"]} for r in runs]
+    (out / "engines.json").write_text(json.dumps(engines, indent=1))  # engine-side evidence
     from bench.sim.compare_report import plots, report_md
 
     plots(summary, runs, out)

@@ -70,6 +70,12 @@ class FastEngine(Engine):
         running = self._running
         if not running or now < self._busy_until:
             return None
+        p = self.profile
+        if self._waiting and (p.new_token_ratio is not None or p.waiting_order == "lpm"):
+            # SGLang's ratio decays every step, so the head may fit within the run; and
+            # admitting at `now` ahead of time would miss arrivals before `now`, which LPM
+            # may order first: step normally while any wait.
+            return None
         self._admit(now)  # what the next step does first; admits nothing twice
         n = len(running)
         remaining = math.inf
@@ -84,7 +90,6 @@ class FastEngine(Engine):
         k = min(int(remaining) - 1, self._free() // n)
         if k < min_steps:
             return None
-        p = self.profile
         first = p.step_base_s + p.decode_seq_s * n + p.context_token_s * context
         return DecodeRun(now, n, k, first, p.context_token_s * n)
 
@@ -99,6 +104,8 @@ class FastEngine(Engine):
             seq.private += j
             seq.computed = len(seq.tokens)
         self.counters.generation_tokens += run.n * j
+        if self.profile.new_token_ratio is not None:  # j decode steps, no retraction
+            self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - j * self._ratio_decay)
         self.collapsed_steps += j
         self._busy_until = run.step_start(j)
 

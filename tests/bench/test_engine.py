@@ -342,3 +342,68 @@ def test_skipping_token_id_draws_changes_nothing_but_the_ids():
     assert with_ids == without
     assert any(f[2] for step in with_ids for f in step[4])  # the prefix cache was on the path
     assert any(step[3] for step in with_ids)  # and preemption
+
+
+# ---- SGLang's scheduler (Profile.as_sglang) -------------------------------------------------
+
+def first_tokens(engine: Engine, now: float = 0.0) -> list[str]:
+    """Request ids in the order their first token came out."""
+    seen: list[str] = []
+    _, steps = run_until_idle(engine, now)
+    for r in steps:
+        seen += [rid for rid in r.tokens if rid not in seen]
+    return seen
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_falls_back_to_fcfs_past_128():
+    shared = prompt(300, 7)
+    for profile, waiting, expect_y_first in ((TINY.as_sglang(), 0, True), (TINY, 0, False),
+                                             (TINY.as_sglang(), 128, False)):
+        e = Engine(replace(profile, max_running=1))
+        e.submit(EngineRequest("warm", shared, 1, ignore_eos=True), 0.0)
+        now, _ = run_until_idle(e)
+        e.submit(EngineRequest("busy", prompt(20, 1), 30, ignore_eos=True), now)
+        e.submit(EngineRequest("x", prompt(40, 2), 5, ignore_eos=True), now)  # first, nothing cached
+        for i in range(waiting):
+            e.submit(EngineRequest(f"w{i}", prompt(8, 100 + i), 1, ignore_eos=True), now)
+        e.submit(EngineRequest("y", shared + prompt(20, 3), 5, ignore_eos=True), now)
+        order = first_tokens(e, now)
+        assert (order.index("y") < order.index("x")) == expect_y_first, (profile.name, waiting)
+
+
+def test_new_token_ratio_decays_admits_more_then_retracts_and_rises():
+    e = Engine(TINY.as_sglang())
+    assert e.new_token_ratio == pytest.approx(0.7)
+    e.submit(EngineRequest("long", prompt(10, 1), 1000, ignore_eos=True), 0.0)
+    now = 0.0
+    for _ in range(700):  # 600 decode steps take the ratio from 0.7 down to 0.7 × 0.14
+        now = e.step(now).end
+    assert e.new_token_ratio == pytest.approx(0.7 * 0.14)
+    for i in range(12):  # each would need 100 + 400 tokens; admitted on a 0.098 estimate
+        e.submit(EngineRequest(f"r{i}", prompt(100, 10 + i), 400, ignore_eos=True), now)
+    admitted = e.load().num_running - 1
+    assert admitted >= 4 and (admitted + 1) * 500 > TINY.kv_tokens  # more than can finish together
+    retracted: list[str] = []
+    while not retracted:
+        r = e.step(now)
+        now, retracted = r.end, r.preempted
+    assert "long" not in retracted  # fewest output tokens go first, never the long decode
+    assert e.new_token_ratio > 0.2  # raised to what the running requests really need
+    assert e.counters.preemptions == len(retracted)
+    run_until_idle(e, now)
+    assert e.counters.requests == 13
+
+
+def test_a_waiting_request_does_not_pin_its_cached_prefix():
+    shared = prompt(300, 7)
+    e = Engine(replace(TINY, max_running=1))
+    e.submit(EngineRequest("warm", shared, 1, ignore_eos=True), 0.0)
+    now, _ = run_until_idle(e)
+    e.submit(EngineRequest("busy", prompt(20, 1), 10, ignore_eos=True), now)
+    e.submit(EngineRequest("big", prompt(1900, 2), 10, ignore_eos=True), now)  # evicts `shared`
+    e.submit(EngineRequest("y", shared + prompt(20, 3), 5, ignore_eos=True), now)  # found it cached
+    _, steps = run_until_idle(e, now)
+    y = next(f for r in steps for f in r.finished if f.id == "y")
+    lost = e.counters.lost_while_waiting
+    assert 0 < lost <= e.counters.evicted_tokens  # the tail of `shared` went (LRU leaves first)
+    assert y.cached_tokens == 288 - lost  # 18 blocks of 16 were cached when y arrived
