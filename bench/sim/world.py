@@ -202,6 +202,9 @@ class Simulation:
                 for _ in range(cfg.replicas_of(m, r)):
                     self.add_replica(r, m.name, ready_at=cfg.start_s)
         self.chain_params = prefix_chain_params(next(iter(self.lbs.values())).policy)
+        # a prompt nothing shares may skip its chain only where an empty chain routes the same:
+        # prefix-trie (no match either way); cache-aware's smallest-tree choice counts them
+        self.unique_chains_matter = cfg.lb.policy != "prefix-trie"
         self.shapes = self._shapes() if cfg.arrivals.kind != "external" else [arr.Shape(1, 1)]
         self.scaler = scaler_factory(self) if scaler_factory else None
 
@@ -244,11 +247,15 @@ class Simulation:
         limit = self.limits[model]
         prompt = self._prompt(shape)[:limit - 16]
         self.inject(region, model, prompt, max(1, min(shape.output_tokens, limit - len(prompt))), tenant,
-                    request_id=f"r{self._req_no}")
+                    request_id=f"r{self._req_no}", shares_prefix=bool(shape.blocks))
 
     def inject(self, region: str, model: str, prompt: list[int], output_tokens: int,
-               tenant: str = "external", request_id: str | None = None) -> SimRequest:
-        """One request arriving now at `region`'s LB (arrival generators and tests call this)."""
+               tenant: str = "external", request_id: str | None = None, shares_prefix: bool = True) -> SimRequest:
+        """One request arriving now at `region`'s LB (arrival generators and tests call this).
+        `shares_prefix=False` promises no other request shares a block of this prompt (the
+        trace shapes without Mooncake blocks: unique token ranges): under prefix-trie its
+        chain is left empty, which routes exactly as a chain nothing ever matches, without
+        hashing and storing it (a sixth of a busy day-3x3 hour went there, profiled)."""
         t = self.loop.now
         if request_id is None:
             self._req_no += 1
@@ -260,7 +267,7 @@ class Simulation:
             block_chars, isolate = self.chain_params
             salt = tenant if isolate else None
             req.facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
-                prompt, max(1, block_chars // CHARS_PER_TOKEN), salt)
+                prompt, max(1, block_chars // CHARS_PER_TOKEN), salt) if shares_prefix or self.unique_chains_matter else ()
         self.metrics.arrival(t, f"{region}/{model}", region)
         self.lbs[region].arrive(req)
         return req
