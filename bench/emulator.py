@@ -60,6 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--echo-headers", action="store_true",
                         help="tests of a proxy: answer every request with the headers it arrived with "
                              "(x-emulator-request-headers, JSON) and a few an engine or server may send")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate (an engine behind a TLS front)")
+    parser.add_argument("--tls-key", help="the certificate's PEM private key")
+    parser.add_argument("--tls-client-ca", help="require client certificates this CA bundle signed (mTLS)")
 
 
 class Stream:
@@ -682,8 +685,12 @@ async def serve(args: argparse.Namespace) -> None:
     # handler_cancellation: a client disconnect cancels its handler, which aborts the request
     runner = web.AppRunner(emu.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port, backlog=1024).start()
-    print(f"emulator listening on http://{args.host}:{args.port} profile={profile.name} "
+    ssl_ctx = None
+    if args.tls_cert:
+        from lb.daemon.tls import server_context
+        ssl_ctx = server_context(args.tls_cert, args.tls_key or "", args.tls_client_ca or "", section="--tls")
+    await web.TCPSite(runner, args.host, args.port, backlog=1024, ssl_context=ssl_ctx).start()
+    print(f"emulator listening on {'https' if ssl_ctx else 'http'}://{args.host}:{args.port} profile={profile.name} "
           f"model={emu.model} speed={args.speed} kv_tokens={profile.kv_tokens}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -53,6 +53,9 @@ class PeeringConfig:
     max_clock_skew_s: float = 30.0  # signed peer requests older/newer than this are refused
     max_nonces: int = 100_000  # peer-call nonces remembered inside the skew window (replays refused); beyond: 401 until some expire
     seed: int = 0
+    tls_ca_file: str = ""  # CA bundle trusted for https:// peers (empty: the system's)
+    tls_client_cert: str = ""  # client certificate presented to peers (mTLS: their server.tls_client_ca)
+    tls_client_key: str = ""  # its private key; empty: in tls_client_cert
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "peering") -> "PeeringConfig":

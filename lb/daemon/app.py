@@ -36,6 +36,7 @@ from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
 from lb.daemon.surface import add_routes as add_api_routes
+from lb.daemon import tls
 
 log = logging.getLogger("lb")
 
@@ -57,6 +58,7 @@ class LB:
         self.metrics.registry.register(TenantCollector(self.dispatcher.fairness))  # bounded tenant labels
         self.dispatcher.on_dispatch.append(self.dispatcher.fairness.queue_waited)
         self.prober = Prober(self.registry, cfg.probes, self.metrics)
+        self.server_tls = None  # the listener's ssl.SSLContext once serving HTTPS (re-read on SIGHUP)
         self.proxy = Proxy(cfg, self.registry, self.dispatcher, self.metrics)
         self.prober.on_probe.append(self.proxy.hung.on_probe)  # hung requests, from probe evidence
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6
@@ -102,6 +104,7 @@ class LB:
         except Exception as e:  # whatever else reading it raised: still one line, still the old config
             log.error("reload failed, keeping the running config: %s: %s: %s", self.cfg.source, type(e).__name__, e)
             return
+        self._reload_tls(new)
         added, removed = self.registry.apply(new.replicas)
         cfg, applied = self.cfg, []
         for section, keys in HOT_RELOAD.items():
@@ -125,8 +128,26 @@ class LB:
         self.dispatcher.wake()  # e.g. a larger max_outstanding frees waiting requests now
 
 
+    def _reload_tls(self, new: Config) -> None:
+        """The listener's certificate is re-read on every SIGHUP (a renewal usually rewrites the
+        same files): new connections get it, open ones keep theirs."""
+        s = new.server
+        if self.server_tls is None or not s.tls_cert:
+            if bool(self.server_tls) != bool(s.tls_cert):
+                log.warning("reload: server.tls_cert turned TLS %s; that takes effect on restart",
+                            "on" if s.tls_cert else "off")
+            return
+        try:
+            tls.reload_server(self.server_tls, s.tls_cert, s.tls_key, s.tls_client_ca)
+        except ValueError as e:  # config.load checked it a moment ago, but files can change under us
+            log.error("reload: keeping the running certificate: %s", e)
+            return
+        log.info("reload: TLS certificate re-read from %s", s.tls_cert)
+
+
 # SIGHUP applies these keys live: each is read per decision, nothing was sized by it.
 HOT_RELOAD = {
+    "server": ("tls_cert", "tls_key", "tls_client_ca"),  # re-read by _reload_tls
     "proxy": ("forward_headers",),
     "pushing": ("mode", "max_outstanding", "push_credit", "max_unseen"),
     "queue": ("max_len", "timeout_s", "retry_after_s"),
@@ -320,13 +341,16 @@ async def _serve(cfg: Config) -> None:
                            keepalive_timeout=cfg.server.idle_timeout_s)
     await runner.setup()
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(_limited(runner.server, cfg.server.max_connections), cfg.server.host,
-                                        cfg.server.port, backlog=2048, reuse_address=True)
+    s = cfg.server
+    app[STATE].server_tls = server_tls = tls.server_context(s.tls_cert, s.tls_key, s.tls_client_ca)
+    listener = await loop.create_server(_limited(runner.server, s.max_connections), s.host, s.port, backlog=2048,
+                                        reuse_address=True, ssl=server_tls)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: app[STATE].reload())
-    log.info("lb listening on http://%s:%d with %d replicas, policy %s, pushing %s", cfg.server.host,
+    log.info("lb listening on %s://%s:%d with %d replicas, policy %s, pushing %s", "https" if server_tls else "http",
+             cfg.server.host,
              cfg.server.port, len(cfg.replicas), cfg.routing.policy, cfg.pushing.mode)
     await stop.wait()
     listener.close()  # new connections are refused from now on; open ones get 503 shutting_down

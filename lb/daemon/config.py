@@ -35,6 +35,7 @@ from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT
 from lb.core.tiers import TierConfig
 from lb.core.types import Pushing
 from lb.core.urls import DEFAULT_DENY, parse_deny, url_for_display, url_problem
+from lb.daemon import tls
 from lb.daemon.scaling_hooks import ScalingConfig
 
 ENGINES = ("sglang", "vllm", "llamacpp", "openai")
@@ -61,6 +62,9 @@ class ServerConfig:
     # Address ranges and host names POST /admin/replicas refuses (resolved first), so the admin
     # API cannot point lb at cloud metadata; loopback stays allowed. Config-file replicas are not checked.
     admin_replica_deny: tuple[str, ...] = DEFAULT_DENY
+    tls_cert: str = ""  # PEM certificate (chain): the listener serves HTTPS; re-read on SIGHUP (docs/operations.md)
+    tls_key: str = ""  # its private key (PEM); empty: in tls_cert
+    tls_client_ca: str = ""  # CA bundle: clients must present a certificate it signed (mTLS between peer LBs)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class UpstreamConfig:
     # waiting all that time is hung (lb.core.hung): retried elsewhere, or its stream ended
     # with an error event; the replica is marked suspect. 0 turns the check off.
     hung_after_s: float = 20.0
+    tls_ca_file: str = ""  # CA bundle trusted for https:// replicas (empty: the system's)
+    tls_client_cert: str = ""  # client certificate presented to replicas that ask for one
+    tls_client_key: str = ""  # its private key; empty: in tls_client_cert
 
 
 # Request headers passed upstream besides the ones every request carries (Content-Type, Accept,
@@ -302,6 +309,9 @@ def _check(cfg: Config) -> None:
             raise ConfigError(problem.replace("the replica's `api_key`", "peering.secret (peers sign, lb.core.peering)"))
     try:
         parse_deny(cfg.server.admin_replica_deny, "server.admin_replica_deny")
+        tls.server_context(cfg.server.tls_cert, cfg.server.tls_key, cfg.server.tls_client_ca)
+        tls.upstream_ssl(cfg)
+        tls.peer_ssl(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for i, d in enumerate(cfg.discovery):

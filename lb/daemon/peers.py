@@ -42,6 +42,7 @@ from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.config import Config, ReplicaConfig
 from lb.daemon.errors import LBError
 from lb.daemon.registry import Registry, Replica
+from lb.daemon.tls import peer_ssl
 
 log = logging.getLogger("lb.peers")
 
@@ -139,7 +140,7 @@ class Peers:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ssl=peer_ssl(self.cfg)),
             timeout=aiohttp.ClientTimeout(total=self.pc.probe_timeout_max_s), skip_auto_headers=("User-Agent",))
         for pcfg in self.cfg.peers:
             link = PeerLink(pcfg, PeerStatus(pcfg.region), self._target(pcfg))
@@ -161,7 +162,8 @@ class Peers:
         up = self.cfg.upstream
         session = aiohttp.ClientSession(
             base_url=pcfg.url,
-            connector=aiohttp.TCPConnector(limit=up.max_connections_per_replica, keepalive_timeout=75),
+            connector=aiohttp.TCPConnector(limit=up.max_connections_per_replica, keepalive_timeout=75,
+                                           ssl=peer_ssl(self.cfg)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s, sock_read=up.read_timeout_s),
             auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"))
         rid = PEER_PREFIX + pcfg.region

@@ -24,6 +24,7 @@ from lb.core.loadparse import EngineLoad
 from lb.core.pushing import settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
+from lb.daemon.tls import upstream_ssl
 
 log = logging.getLogger("lb.probes")
 
@@ -58,7 +59,7 @@ class Prober:
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ssl=upstream_ssl(self.registry.cfg)),
             timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
             skip_auto_headers=("User-Agent",))
         for rep in list(self.registry.replicas.values()):

@@ -18,6 +18,7 @@ from lb.core.breaker import Breaker, State
 from lb.core.health import HealthTracker
 from lb.core.types import ReplicaView
 from lb.daemon.config import Config, ReplicaConfig
+from lb.daemon.tls import upstream_ssl
 
 log = logging.getLogger("lb.registry")
 
@@ -94,7 +95,7 @@ class Registry:
         session = aiohttp.ClientSession(
             base_url=rc.url,
             connector=aiohttp.TCPConnector(limit=up.max_connections_per_replica, keepalive_timeout=75,
-                                           enable_cleanup_closed=True),
+                                           enable_cleanup_closed=True, ssl=upstream_ssl(self.cfg)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s,
                                           sock_read=up.read_timeout_s),
             # We never ask for compression; a replica that compresses anyway is decoded (the
