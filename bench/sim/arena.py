@@ -143,6 +143,9 @@ class PeerFront:
     def replica_stopped(self, rep: SimReplica) -> None:
         pass
 
+    def served(self, req: SimRequest, replica_id: str, ttft_s: float, e2e_s: float, output: int, now: float) -> None:
+        pass  # the peers' published policies learn nothing from response times
+
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.inflight[req.served_by] -= 1
         self.on_done(req, prompt, cached, output)

@@ -55,6 +55,7 @@ class SimRequest:
     facts: RequestFacts | None = None
     extra_latency: float = 0.0  # round trip added by forwarding
     first_token: float | None = None
+    pushed_at: float | None = None  # when a replica took it (TTFT there counts from here)
     finished_at: float | None = None
     served_by: str | None = None
     served_region: str | None = None
@@ -188,6 +189,7 @@ class SimReplica:
             self._early_probe_due = True
             self.loop.after(self.lb.cfg.early_reprobe_s, self.early_probe)
         self.requests[req.id] = req
+        req.pushed_at = now
         req.served_by = self.id
         req.served_region = self.region
         self._before_change(now)
@@ -248,6 +250,9 @@ class SimReplica:
             req = self.requests.pop(f.id)
             req.finished_at = now
             self.view.outstanding -= 1
+            if req.first_token is not None:  # timed from the push, as the daemon's proxy times it
+                self.lb.served(req, self.id, req.first_token - req.pushed_at, now - req.pushed_at,
+                               f.output_tokens, now)
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
         self.probe_now()  # the daemon re-probes on completion
         self._maybe_stop()
@@ -366,6 +371,10 @@ class SimLB:
         """A peer's queue is short enough to take forwarded work (requests already forwarded
         here and still on the wire count as queued)."""
         return len(self.scheduler) + self.in_flight <= self.cfg.peer_queue_tau
+
+    def served(self, req: SimRequest, replica_id: str, ttft_s: float, e2e_s: float, output: int, now: float) -> None:
+        """A replica answered: the policy learns that replica's rates (`Scheduler.served`)."""
+        self.scheduler.served(req.facts, replica_id, ttft_s, e2e_s, output, now)
 
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.scheduler.completed(req.facts, prompt, output)

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
+from lb.core.predicted import PredictedTtftScorer
 from lb.core.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_NODES, PrefixTrie, request_chain
 from lb.core.ring import DEFAULT_VNODES, HashRing
 from lb.core.types import Decision, Policy, PrefixMemory, ReplicaView, RequestFacts
@@ -44,6 +45,10 @@ class PolicyBase:
         self.last = Decision(None, "none")
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
+        pass
+
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
         pass
 
     def register(self, target_id: str) -> None:
@@ -77,6 +82,10 @@ class Part:
     """A filter or scorer; stateful ones learn from dispatches and forget removed targets."""
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
+        pass
+
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
         pass
 
     def forget(self, target_id: str) -> None:
@@ -161,14 +170,19 @@ class ComposedPolicy(PolicyBase):
         for part in (*self.filters, *self.scorers):
             part.observe(req, target_id, now)
 
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
+        for part in (*self.filters, *self.scorers):
+            part.served(req, target_id, ttft_s, e2e_s, output_tokens, now)
+
     def forget(self, target_id: str) -> None:
         for part in (*self.filters, *self.scorers):
             part.forget(target_id)
 
     @property
-    def prefix_memory(self) -> PrefixScorer | None:
+    def prefix_memory(self) -> PrefixScorer | PredictedTtftScorer | None:
         """What cache-affine scheduling (lb.core.affinity) asks about prefixes, if this policy remembers them."""
-        return next((s for s in self.scorers if isinstance(s, PrefixScorer)), None)
+        return next((s for s in self.scorers if isinstance(s, (PrefixScorer, PredictedTtftScorer))), None)
 
 
 class RoundRobin(PolicyBase):
@@ -309,6 +323,21 @@ def prefix_trie(
     return ComposedPolicy("prefix-trie", scorers=[scorer, LoadScorer()], rng=rng)
 
 
+def predicted_ttft(
+    *,
+    rng: random.Random,
+    max_nodes: int = DEFAULT_MAX_NODES,
+    block_chars: int = DEFAULT_BLOCK_CHARS,
+    isolate_tenants: bool = False,
+    others_weight: float = 1.0,
+) -> ComposedPolicy:
+    """Least predicted TTFT (lb/core/predicted.py): queued work plus uncached prefill at each
+    replica's learned rates; least load breaks ties."""
+    scorer = PredictedTtftScorer(PrefixTrie(max_nodes), block_chars=block_chars, isolate_tenants=isolate_tenants,
+                                 others_weight=others_weight)
+    return ComposedPolicy("predicted-ttft", scorers=[scorer, LoadScorer()], rng=rng, default_reason="predicted")
+
+
 def least_load(*, rng: random.Random) -> ComposedPolicy:
     return ComposedPolicy("least-load", scorers=[LoadScorer()], rng=rng)
 
@@ -326,6 +355,7 @@ def load_aware(rng: random.Random, kv_capacity_tokens: int = 100_000, beta: floa
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "prefix-trie": prefix_trie,
+    "predicted-ttft": predicted_ttft,
     "consistent-hash": ConsistentHash,
     "round-robin": RoundRobin,
     "least-load": least_load,

@@ -218,6 +218,11 @@ class Scheduler:
         the queue's service counters.)"""
         self.queue.completed(facts, input_tokens, output_tokens)
 
+    def served(self, facts: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
+        """A replica answered a placed request: what it took feeds the policy's learned rates."""
+        self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
+
     def _count(self, entry: QueueEntry, sign: int) -> None:
         model = entry.facts.model
         self._waiting[model] = self._waiting.get(model, 0) + sign

@@ -100,7 +100,7 @@ class Decision:
     access log and the `reason` metrics label (a small fixed set of words, bounded)."""
 
     target: str | None
-    reason: str  # prefix | load | ring | round-robin | cache | imbalance | smallest-tree | anticipated | none
+    reason: str  # prefix | predicted | load | ring | round-robin | cache | imbalance | smallest-tree | anticipated | none
     matched_blocks: int = 0
     total_blocks: int = 0
 
@@ -123,6 +123,11 @@ class Policy(Protocol):
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         """`req` was placed on `target_id` (trie inserts, load tracking)."""
+
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
+        """`target_id` answered `req`: its first token after `ttft_s`, its last after `e2e_s`
+        (seconds from the push), `output_tokens` generated. Policies that learn rates use it."""
 
     def register(self, target_id: str) -> None:
         """A target became known, available or not (the consistent-hash ring keeps it)."""

@@ -49,11 +49,20 @@ class Dispatcher:
         self.on_dispatch: list[Callable] = []
         self.on_progress: list[Callable] = []
         self.on_complete: list[Callable] = []
+        self.on_complete.append(self._served)  # the policy learns each replica's rates from its answers
         # Cross-region peering (lb/daemon/peers.py): offered what no local replica can take.
         self.overflow = None
         registry.on_change(self.wake)
         registry.on_add(lambda rep: self.scheduler.register(rep.id))
         registry.on_gone(lambda rep: self.scheduler.forget(rep.id))
+
+    def _served(self, facts, rep, out, now: float) -> None:
+        """Feed the policy what the replica took, timed from the push (the proxy times from
+        arrival: take the LB queue wait off)."""
+        if out.status == 200 and out.ttft_s is not None and out.e2e_s is not None:
+            wait = out.queue_wait_s or 0.0
+            self.scheduler.served(facts, rep.id, out.ttft_s - wait, out.e2e_s - wait,
+                                  int(out.usage.get("completion_tokens") or out.events or 0), now)
 
     @property
     def queue(self):

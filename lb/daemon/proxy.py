@@ -333,6 +333,7 @@ class Proxy:
                 if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
                     # every attempt was charged at dispatch: correct it with the real token counts
                     self.dispatcher.fairness.completed(facts, time.monotonic(), out.usage)
+                    out.e2e_s = time.monotonic() - t0  # so far (the final figure is set when the answer ends)
                     for fn in self.dispatcher.on_complete:  # capacity: forecast, length model, anticipator
                         fn(facts, rep, out, time.monotonic())
             if rep.view.engine == "peer" and self.peering is not None:

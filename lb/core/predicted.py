@@ -1,0 +1,159 @@
+"""Route by predicted time to first token, with each replica's rates learned online.
+
+For each eligible replica the scorer estimates the request's TTFT there:
+
+    ttft(r) = step(r) + prefill(r) x (ahead(r) + uncached(r))
+
+- `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
+  the trie says `r` holds (the prefix trie is the cache estimate).
+- `ahead(r)`: prefill work queued in front of it — the engine's waiting requests at the last
+  probe (at this request's size, the only size the LB knows for them) plus the tokens `lb`
+  pushed since that probe (`pushed_tokens_since_probe`), which no probe has counted yet.
+- `step(r)`: the replica's inter-token time, learned from responses (e2e − TTFT over the
+  output tokens): the engine step a new request waits for at least once, longer on a
+  replica with a bigger batch or slower hardware.
+- `prefill(r)`: seconds per prefill token on `r`, learned as a ratio of means (EWMA of the
+  TTFT left after one step over EWMA of the work the prediction counted), so one fully cached
+  request cannot blow it up.
+
+Nothing depends on a profile's constants: a replica with no samples yet takes the median
+of the replicas that have some (a new replica is assumed typical); with no samples at all
+the ranking is by token work alone. Selective pushing stays the gate: the scorer ranks only
+replicas SP-P already admits. Ties (equal predictions) fall to least load.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from statistics import median
+from typing import Collection
+
+from lb.core.prefix import PrefixTrie, request_chain
+from lb.core.types import Decision, ReplicaView, RequestFacts
+
+# EWMA weight of one sample: about the last 10 requests of a replica count, so a replica that
+# slows down (a bigger batch, a noisy neighbour) is seen within a few completions.
+DEFAULT_ALPHA = 0.1
+# Work counted per placement until its response comes back; bounded (oldest dropped).
+MAX_TRACKED = 65_536
+
+
+@dataclass
+class Rates:
+    """One replica's learned inter-token time (EWMA; None until its first sample)."""
+
+    step_s: float | None = None
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else old + alpha * (sample - old)
+
+
+class TtftModel:
+    """Per-replica speeds, one fleet-wide prefill ratio, and the predictions made from them
+    (pure; no clock of its own).
+
+    A replica's speed is its inter-token time `step`, a clean signal (each response averages
+    it over all its tokens). Prefill per token scales with the same hardware speed, so it is
+    modelled as `ratio x step`, the ratio learned from every replica's TTFTs pooled (TTFT
+    beyond one step, over the prefill work the prediction counted, each in step units): one
+    noisy replica cannot skew its own prefill rate, and a 2x slower replica shows it in its
+    steps at once.
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA, max_tracked: int = MAX_TRACKED, others_weight: float = 1.0):
+        self.alpha = alpha
+        self.max_tracked = max_tracked
+        self.others_weight = others_weight
+        self.rates: dict[str, Rates] = {}
+        self._excess_steps: float | None = None  # EWMA of (TTFT - step) / step
+        self._work_tokens: float | None = None  # EWMA of the work counted for those
+        self._work: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request id → (target, work)
+
+    def prefill_ratio(self) -> float:
+        """Prefill time per token, in steps; 1/256 before any sample (a guess that only
+        orders replicas until the first responses come back)."""
+        if self._excess_steps is None or not self._work_tokens:
+            return 1.0 / 256
+        return self._excess_steps / self._work_tokens
+
+    def predict(self, views: list[ReplicaView], work: list[float], uncached: list[float]) -> list[float]:
+        """Predicted cost of placing the request on each view: its TTFT there for the given
+        prefill work (tokens), plus (times `others_weight`) the delay its own uncached prefill
+        adds to every request running there (each of their next tokens waits for it)."""
+        steps = [r.step_s for r in self.rates.values() if r.step_s is not None]
+        prior = median(steps) if steps else 1.0  # a replica without samples: assumed typical
+        ratio = self.prefill_ratio()
+        out = []
+        for view, w, u in zip(views, work, uncached):
+            r = self.rates.get(view.id)
+            step = r.step_s if r is not None and r.step_s is not None else prior
+            out.append(step * (1.0 + ratio * (w + self.others_weight * view.running * u)))
+        return out
+
+    def placed(self, request_id: str, target_id: str, work: float) -> None:
+        self._work[request_id] = (target_id, work)
+        while len(self._work) > self.max_tracked:
+            self._work.popitem(last=False)
+
+    def served(self, request_id: str, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int) -> None:
+        """The response to a placed request came back: learn the target's speed and the
+        fleet's prefill ratio from it."""
+        placed = self._work.pop(request_id, None)
+        if ttft_s is None or ttft_s < 0:
+            return
+        r = self.rates.setdefault(target_id, Rates())
+        if e2e_s is not None and output_tokens >= 2 and e2e_s > ttft_s:
+            r.step_s = _ewma(r.step_s, (e2e_s - ttft_s) / (output_tokens - 1), self.alpha)
+        if placed is not None and placed[0] == target_id and r.step_s:
+            self._excess_steps = _ewma(self._excess_steps, max(0.0, ttft_s - r.step_s) / r.step_s, self.alpha)
+            self._work_tokens = _ewma(self._work_tokens, placed[1], self.alpha)
+
+    def forget(self, target_id: str) -> None:
+        self.rates.pop(target_id, None)
+
+
+class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
+    """Scores each candidate by minus its predicted TTFT (higher wins); remembers prefixes
+    as the prefix-trie policy does (it is the policy's prefix memory for cache affinity)."""
+
+    def __init__(self, trie: PrefixTrie, *, block_chars: int, isolate_tenants: bool, alpha: float = DEFAULT_ALPHA,
+                 others_weight: float = 1.0):
+        self.trie = trie
+        self.block_chars = block_chars
+        self.isolate_tenants = isolate_tenants
+        self.model = TtftModel(alpha, others_weight=others_weight)
+        self._last: dict[str, float] = {}  # candidate id → work, from the last `score`
+
+    def uncached(self, view: ReplicaView, chain, prompt_tokens: int) -> float:
+        depth, _ = self.trie.match(chain, {view.id}) if chain else (0, [])
+        return prompt_tokens * (1.0 - depth / len(chain)) if chain else prompt_tokens
+
+    def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[float]:
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        prompt = max(1, req.prompt_tokens)
+        uncached = [self.uncached(v, chain, prompt) for v in candidates]
+        work = [v.pending * prompt + v.pushed_tokens_since_probe + u for v, u in zip(candidates, uncached)]
+        self._last = {v.id: w for v, w in zip(candidates, work)}
+        depth, _ = self.trie.match(chain, {v.id for v in candidates}) if chain else (0, [])
+        decision.matched_blocks, decision.total_blocks = depth, len(chain)
+        decision.reason = "predicted"
+        return [-t for t in self.model.predict(candidates, work, uncached)]
+
+    def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
+        self.model.placed(req.request_id, target_id, self._last.get(target_id, float(req.prompt_tokens)))
+        self.trie.insert(request_chain(req, self.block_chars, self.isolate_tenants), target_id, now)
+
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
+        self.model.served(req.request_id, target_id, ttft_s, e2e_s, output_tokens)
+
+    def forget(self, target_id: str) -> None:
+        self.trie.forget(target_id)
+        self.model.forget(target_id)
+
+    def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        depth, holders = self.trie.match(chain, targets)
+        return depth, len(chain), holders

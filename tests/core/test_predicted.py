@@ -1,0 +1,66 @@
+"""The predicted-TTFT policy: speeds learned from responses, the trie as the cache estimate."""
+from __future__ import annotations
+
+from lb.core.policies import make_policy
+from lb.core.predicted import TtftModel
+from tests.core.test_policies import prompt, req, views
+
+
+def teach(policy, target: str, rid: str, ttft: float, e2e: float, out: int, text: str, tokens: int = 512) -> None:
+    """Place one request on `target` and answer it after the given times."""
+    r = req(text, rid=rid, prompt_tokens=tokens)
+    policy.observe(r, target, now=0.0)
+    policy.served(r, target, ttft, e2e, out, now=0.0)
+
+
+def test_slower_replica_is_predicted_slower_from_its_inter_token_times():
+    m = TtftModel(alpha=0.5)
+    vs = views(3)
+    for i in range(10):
+        m.placed(f"a{i}", "r0", 500.0)
+        m.served(f"a{i}", "r0", 0.1, 0.1 + 99 * 0.02, 100)  # 20 ms a token
+        m.placed(f"b{i}", "r1", 500.0)
+        m.served(f"b{i}", "r1", 0.2, 0.2 + 99 * 0.04, 100)  # 2x slower
+    fast, slow, new = m.predict(vs, [500.0] * 3, [500.0] * 3)
+    assert slow > 1.9 * fast  # same work, twice the step
+    assert fast < new < slow  # a replica with no samples is assumed typical (the median)
+    # prefill ratio pooled from both: (ttft - step) / step over the work, in steps per token
+    assert abs(m.prefill_ratio() - 4.0 / 500) < 1e-3
+
+
+def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_saves():
+    policy = make_policy("predicted-ttft", seed=1)
+    shared = prompt(("doc", 16))
+    vs = views(2)
+    for v in vs:  # equally fast replicas
+        for i in range(5):
+            teach(policy, v.id, f"{v.id}-{i}", 0.1, 0.1 + 99 * 0.02, 100, prompt(("warm", 2), (v.id, i + 1)))
+    policy.observe(req(shared + prompt(("a", 1)), rid="seed", prompt_tokens=2048), "r1", now=1.0)
+    follow = req(shared + prompt(("b", 1)), rid="f", prompt_tokens=2048)
+    assert policy.choose(follow, vs, now=2.0) == "r1"  # r1 holds 16 of 17 blocks
+    assert policy.last.reason == "predicted" and policy.last.matched_blocks == 16
+    vs[1].pushed_tokens_since_probe = 50_000  # a burst the last probe has not seen yet
+    assert policy.choose(follow, vs, now=2.0) == "r0"
+
+
+def test_running_batch_counts_the_delay_a_cache_miss_adds_to_it():
+    policy = make_policy("predicted-ttft", seed=1)
+    vs = views(2, running=0)
+    vs[0].running = 30
+    text = prompt(("fresh", 8))
+    # nobody holds it: the miss costs the same prefill on both, but 30 running requests wait for it on r0
+    assert policy.choose(req(text, prompt_tokens=1024), vs, now=0.0) == "r1"
+
+
+def test_scheduler_feeds_answers_to_the_policy_and_forgets_gone_replicas():
+    from lb.core.queueing import make_queue
+    from lb.core.scheduler import Scheduler, SchedulerConfig
+    policy = make_policy("predicted-ttft", seed=1)
+    s = Scheduler(SchedulerConfig(pushing="blind"), policy, make_queue("fcfs"))
+    r = req(prompt(("x", 2)), rid="x", prompt_tokens=256)
+    policy.observe(r, "r0", now=0.0)
+    s.served(r, "r0", 0.05, 0.05 + 9 * 0.03, 10, now=1.0)
+    model = policy.scorers[0].model
+    assert abs(model.rates["r0"].step_s - 0.03) < 1e-9
+    s.forget("r0")
+    assert "r0" not in model.rates
