@@ -3,8 +3,11 @@
 Benign tenants are ServeGen clients (their own arrival shapes, request sizes from the Azure
 conversation trace); each arrival starts a 3-stage interaction (an agentic program). One
 abusive tenant floods at 10× the mean benign tenant's rate. Variants, each with a fresh
-emulator and `lb`: FCFS, RPM (sliding-window limit, always enforced), VTC, WSC, WSC+OIT
-(throttle only under overload, never mid-interaction), plus a no-abuser FCFS reference.
+emulator and `lb`: FCFS, RPM (sliding-window limit, always enforced), VTC, WSC with the
+papers' cumulative counters and lift (`wsc-cumulative`, lb before the fix in docs/fairness.md),
+WSC (default: decayed standing), WSC+OIT (throttle only under overload, never mid-interaction),
+plus a no-abuser FCFS reference. `lb-bench sim-compare fairness` runs the same set-up in
+virtual time with seeds and CIs.
 
 Per variant: benign P90 TTFT relative to the reference (`benign_p90_ttft_ratio`), share of
 service per tenant, interactions aborted mid-way (`interactions_aborted`) and the tokens
@@ -32,6 +35,7 @@ VARIANTS = {
     "fcfs": '[queue]\norder = "fcfs"\n',
     "rpm": '[queue]\norder = "fcfs"\n[fairness]\nthrottle = "rpm"\n',
     "vtc": '[queue]\norder = "vtc"\n',
+    "wsc-cumulative": '[queue]\norder = "wsc"\n[fairness.wsc]\nhalf_life_s = 0.0\n',  # the papers' counters + lift
     "wsc": '[queue]\norder = "wsc"\n',
     "wsc+oit": '[queue]\norder = "wsc"\n[fairness]\nthrottle = "oit"\noverload_queue_len = 8\noverload_no_replica_s = 1.0\n',
 }

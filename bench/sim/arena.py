@@ -24,7 +24,7 @@ from bench.sim.metrics import Metrics, Slo
 from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from bench.sim.peer_policies import PeerPolicy, PeerRequest
 from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
-from lb.core.types import RequestFacts
+from lb.core.types import RequestFacts, Tier
 
 
 # One way through the HTTP stack between a client and the engine (client, LB, engine server on
@@ -92,6 +92,7 @@ class Call:
     interaction_id: str | None = None
     stage: int | None = None
     final: bool = False
+    tier: Tier = Tier.IW_N
 
 
 class PeerFront:
@@ -240,7 +241,7 @@ class Arena:
         req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
                                  max_tokens=call.output_tokens, arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
-                                 final_call=call.final)
+                                 final_call=call.final, tier=call.tier)
         if isinstance(front, PeerFront):
             front.arrive(req, call)
             return

@@ -231,24 +231,36 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    seeds = args.seeds or (3 if args.quick else 5)
-    duration = 60.0 if args.quick else 200.0
+def seeds_and_length(args: argparse.Namespace) -> tuple[int, float]:
+    """sim-compare's defaults for these workloads: 5 seeds of 200 s; --quick 3 of 60 s."""
+    return args.seeds or (3 if args.quick else 5), 60.0 if args.quick else 200.0
+
+
+def run_all(name: str, args: argparse.Namespace, jobs: list, one, summarize_runs, render, header: str) -> int:
+    """Run `one` over `jobs` (in `args.workers` processes), summarize, write DIR/summary.json
+    and DIR/report.md, print the table: the part `fairness` and `tiers` share."""
+    seeds, duration = seeds_and_length(args)
     wall = time.perf_counter()
-    jobs = [(system, seed, abuser, duration) for seed in range(seeds) for system in SYSTEMS for abuser in (True, False)]
     if args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(run_one, jobs))
+            runs = list(pool.map(one, jobs))
     else:
-        runs = list(map(run_one, jobs))
-    summary = summarize(runs, seeds, duration)
+        runs = list(map(one, jobs))
+    summary = summarize_runs(runs, seeds, duration)
     summary["wall_s"] = time.perf_counter() - wall
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    text = table(summary)
-    (out / "report.md").write_text(f"# sim-compare fairness\n\n{seeds} seeds, {duration:g} s each\n\n{text}\n")
-    print(f"\nfairness: {seeds} seeds, {duration:g} s each (median [95 % CI])")
+    text = render(summary)
+    (out / "report.md").write_text(f"# sim-compare {name}\n\n{header}\n\n{text}\n")
+    print(f"\n{name}: {header}")
     print(text)
-    print(f"\nfairness: done in {summary['wall_s']:.1f} s of wall time -> {out}")
+    print(f"\n{name}: done in {summary['wall_s']:.1f} s of wall time -> {out}")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds, duration = seeds_and_length(args)
+    jobs = [(system, seed, abuser, duration) for seed in range(seeds) for system in SYSTEMS for abuser in (True, False)]
+    return run_all("fairness", args, jobs, run_one, summarize, table,
+                   f"{seeds} seeds, {duration:g} s each (median [95 % CI])")

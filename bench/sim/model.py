@@ -39,6 +39,7 @@ from lb.core.affinity import AffinityConfig
 from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT, record_push, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
+from lb.core.tiers import TierConfig
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 
@@ -82,6 +83,7 @@ class LBConfig:
     policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults)
+    tiers: TierConfig | None = None  # tier targets for EDF/DPA (None: the defaults)
 
     @classmethod
     def from_daemon_config(cls, path: str, **overrides) -> "LBConfig":
@@ -267,7 +269,7 @@ class SimLB:
         self.region, self.loop, self.cfg, self.metrics = region, loop, cfg, metrics
         self.policy = make_policy(cfg.policy, seed=seed, **cfg.policy_options)
         service = WeightedService(cfg.wsc) if cfg.wsc is not None else None
-        self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue, service=service))
+        self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue, service=service, tiers=cfg.tiers))
         self.peer_router = PeerRouter("nearest", seed=seed)
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}

@@ -196,3 +196,14 @@ register(Workload("fairness", "FairServe: 4 ServeGen tenants in 3-stage interact
                   "rate, 1 tiny engine (max-running 2) as the live scenario; lb fcfs/rpm/vtc/wsc/wsc+oit; "
                   "benign P90 ratio, service shares, aborted interactions, wasted tokens",
                   ONE_REGION, "custom", runner=_fairness))
+
+
+def _tiers(args) -> int:
+    from bench.sim.tiers_workload import run
+
+    return run(args)
+
+
+register(Workload("tiers", "SageServe tiers: Azure conversation arrivals, 30 % IW-F / 70 % IW-N with TTFT targets, "
+                  "1 tiny engine as the live scenario, near and above capacity; lb fcfs/edf/pf/dpa; "
+                  "SLO violations and Q3 TTFT per tier", ONE_REGION, "custom", runner=_tiers))

@@ -1,0 +1,134 @@
+"""`lb-bench sim-compare tiers`: SageServe's interactive tiers in virtual time.
+
+The live scenario's set-up (bench/scenarios/tiers.py) without its noise: Azure conversation
+trace arrivals (open loop, sizes x0.2, prompts clipped to 512 tokens), each request IW-F
+(30 %) or IW-N (70 %) with TTFT targets 0.5 s / 1.5 s (DPA's tau_n 0.2 s, tau_p 2 s), one
+emulated tiny engine at half speed with 2 running requests at most, behind `lb` with each
+queue order: FCFS, EDF, PF, DPA. Each seed replays its own stretch of the trace, its times
+scaled so the offered rate is a share of the engine's capacity (measured in the simulator:
+requests/s it completes when saturated). Two loads: 0.9 (near capacity, the live scenario's
+regime) and 1.2 (above capacity, SageServe's regime). NIW batch work is not part of it: it waits in the daemon's deferred queue
+(lb/daemon/admission_gate.py), which the simulator does not model.
+
+Columns beyond the proving ground's schema: per tier the SLO violation rate (TTFT over
+target, or not answered by the end of the run) and Q3 TTFT.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import numpy as np
+
+from bench import traces
+from bench.sim.arena import Arena, Call, lb_config
+from bench.sim.fair_workload import FLEET, run_all, seeds_and_length
+from bench.workloads.base import rng_for
+from lb.core.tiers import TierConfig, TierTarget
+from lb.core.types import Tier
+
+ORDERS = ("fcfs", "edf", "pf", "dpa")
+TARGETS = {Tier.IW_F: 0.5, Tier.IW_N: 1.5}
+TIERS = TierConfig(targets={**TierConfig().targets, **{t: TierTarget(ttft_s=s, e2e_s=60.0) for t, s in TARGETS.items()}},
+                   tau_n_s=0.2, tau_p_s=2.0)
+LOADS = {"near": 0.9, "over": 1.2}  # offered rate / the engine's capacity
+SIZE_SCALE = 0.2
+MAX_INPUT = 512
+FAST_SHARE = 0.3
+
+
+def calls(seed: int, time_scale: float, duration_s: float) -> list[tuple[float, Call]]:
+    """The seed's stretch of the trace with times x `time_scale`, until `duration_s`."""
+    rows = traces.azure_conv()
+    start = 40.0 + 300.0 * (seed % 5)  # each seed its own stretch of the 30-minute trace
+    rng = rng_for(seed, "tiers")
+    out = []
+    for i, row in enumerate(r for r in rows if r.t >= start):
+        at = (row.t - start) * time_scale
+        if at >= duration_s:
+            break
+        n = min(MAX_INPUT, max(1, round(row.context_tokens * SIZE_SCALE)))
+        tier = Tier.IW_F if rng.random() < FAST_SHARE else Tier.IW_N
+        base = (i + 1) << 24
+        out.append((at, Call(f"t{i}", "local", list(range(base, base + n)),
+                             max(1, round(row.generated_tokens * SIZE_SCALE)), user=tier.value, tier=tier)))
+    return out
+
+
+@functools.cache
+def capacity_rps() -> float:
+    """Requests/s the engine completes when saturated (FCFS, 4x the trace's pace, 100 s)."""
+    arena = Arena(FLEET, "capacity", seed=0, lb_cfg=lb_config(tiers=TIERS))
+    done: list[float] = []
+    for at, call in calls(0, 0.25, 100.0):
+        arena.loop.at(at, arena.send, call, lambda d: done.append(d.sent_at + d.e2e))
+    arena.loop.run(100.0)
+    return sum(1 for t in done if t >= 20.0) / 80.0
+
+
+def time_scale(seed: int, load: float) -> float:
+    """Trace seconds -> simulated seconds so the seed's stretch offers `load` x capacity."""
+    natural = len(calls(seed, 1.0, 300.0)) / 300.0
+    return natural / (load * capacity_rps())
+
+
+def run_one(args: tuple[str, str, int, float]) -> dict:
+    order, load, seed, duration_s = args
+    arena = Arena(FLEET, f"lb {order}", seed=seed, lb_cfg=lb_config(queue=order, tiers=TIERS))
+    sent = calls(seed, time_scale(seed, LOADS[load]), duration_s)
+    ttft: dict[str, list[float]] = {t.value: [] for t in TARGETS}
+    for at, call in sent:
+        arena.loop.at(at, arena.send, call, lambda d, tier=call.tier.value: ttft[tier].append(d.ttft))
+    arena.loop.run(duration_s)
+    out = {"order": order, "load": load, "seed": seed, "throughput_rps": sum(map(len, ttft.values())) / duration_s,
+           "ttft_p50_s": float(np.percentile([x for v in ttft.values() for x in v], 50)),
+           "ttft_p90_s": float(np.percentile([x for v in ttft.values() for x in v], 90)),
+           "cut_at_deadline": len(sent) - sum(map(len, ttft.values()))}
+    for tier, target in TARGETS.items():
+        mine = sum(1 for _, c in sent if c.tier is tier)
+        done = ttft[tier.value]
+        out[f"{tier.value}_violations"] = (mine - sum(1 for x in done if x <= target)) / mine if mine else None
+        out[f"{tier.value}_q3_ttft_s"] = float(np.percentile(done, 75)) if done else None
+    return out
+
+
+def summarize(runs: list[dict], seeds: int, duration_s: float) -> dict:
+    from bench.sim.compare import median_ci
+
+    out = {"workload": "tiers", "seeds": seeds, "duration_s": duration_s, "loads": LOADS,
+           "capacity_rps": capacity_rps(), "systems": {},
+           "targets_s": {t.value: s for t, s in TARGETS.items()},
+           "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
+           "violations": "share of the tier's requests whose TTFT exceeded its target or that were unanswered at the end"}
+    for load in LOADS:
+        for order in ORDERS:
+            mine = [r for r in runs if r["order"] == order and r["load"] == load]
+            entry = {m: median_ci([r[m] for r in mine]) for m in ("throughput_rps", "ttft_p50_s", "ttft_p90_s")}
+            for t in TARGETS:
+                for m in ("violations", "q3_ttft_s"):
+                    entry[f"{t.value}_{m}"] = median_ci([r[f"{t.value}_{m}"] for r in mine])
+            entry["errors"] = 0
+            entry["cut_at_deadline"] = sum(r["cut_at_deadline"] for r in mine)
+            out["systems"][f"lb {order} @{load}"] = entry
+    return out
+
+
+def table(summary: dict) -> str:
+    def f(x: dict, scale: float = 100, digits: int = 0) -> str:
+        m, (lo, hi) = x["median"], x["ci95"]
+        return "-" if m is None else f"{m * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+
+    rows = ["| system @ load | IW-F violations % | IW-N violations % | IW-F Q3 TTFT s | IW-N Q3 TTFT s | req/s |",
+            "|---|---|---|---|---|---|"]
+    for name, s in summary["systems"].items():
+        rows.append(f"| {name} | {f(s['iw-f_violations'])} | {f(s['iw-n_violations'])} | "
+                    f"{f(s['iw-f_q3_ttft_s'], 1, 2)} | {f(s['iw-n_q3_ttft_s'], 1, 2)} | {f(s['throughput_rps'], 1, 1)} |")
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds, duration = seeds_and_length(args)
+    jobs = [(order, load, seed, duration) for seed in range(seeds) for load in LOADS for order in ORDERS]
+    return run_all("tiers", args, jobs, run_one, summarize, table,
+                   f"{seeds} seeds, {duration:g} s each (median [95 % CI]); loads {LOADS} x capacity "
+                   f"{capacity_rps():.2f} req/s")
