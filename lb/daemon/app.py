@@ -56,6 +56,7 @@ class LB:
         self.registry.on_add(lambda rep: self.metrics.remember(rep.id))
         self.registry.on_gone(lambda rep: self.metrics.forget(rep.id))  # its series leave /metrics
         self.metrics.registry.register(TenantCollector(self.dispatcher.fairness))  # bounded tenant labels
+        self.dispatcher.fairness.attach_budgets(self.metrics.registry)
         self.dispatcher.on_dispatch.append(self.dispatcher.fairness.queue_waited)
         self.prober = Prober(self.registry, cfg.probes, self.metrics)
         self.server_tls = None  # the listener's ssl.SSLContext once serving HTTPS (re-read on SIGHUP)

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from lb.core.admission import AdmissionConfig
 from lb.core.affinity import AffinityConfig
 from lb.core.breaker import BreakerConfig
+from lb.core.budgets import BudgetConfig
 from lb.core.coalesce import coalesce_config
 from lb.core.deferred import DeferredConfig
 from lb.core.discovery import DiscoveryConfig
@@ -169,6 +170,7 @@ class Config:
     tiers: TierConfig = field(default_factory=TierConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     deferred: DeferredConfig = field(default_factory=DeferredConfig)
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)  # tokens per minute per tenant (lb.core.budgets)
     state: dict = field(default_factory=dict)  # lb.daemon.state.make_store
     coalesce: dict = field(default_factory=dict)
     # Cross-region peering (issue 4): this LB's region, its peer LBs, probe/τ/adoption knobs.
@@ -331,7 +333,7 @@ _CORE_SECTIONS = {"identity": IdentityConfig.from_dict, "fairness": FairnessConf
                   "admission": AdmissionConfig.from_dict, "deferred": DeferredConfig.from_dict,
                   "state": lambda d, path: dict(d), "coalesce": coalesce_config,
                   "scaling": ScalingConfig.from_dict, "planner": lambda d, path: dict(d),
-                  "peering": PeeringConfig.from_dict}
+                  "peering": PeeringConfig.from_dict, "budgets": BudgetConfig.from_dict}
 
 
 # The core sections' own `from_dict` checks values; first, here, every key is known (or the
@@ -339,6 +341,7 @@ _CORE_SECTIONS = {"identity": IdentityConfig.from_dict, "fairness": FairnessConf
 _SCHEMAS: dict[str, type | dict] = {
     "identity": IdentityConfig, "fairness": FairnessConfig, "tiers": TierConfig, "admission": AdmissionConfig,
     "deferred": DeferredConfig, "scaling": ScalingConfig, "peering": PeeringConfig, "planner": PLANNER_KEYS,
+    "budgets": BudgetConfig,
     "state": {"backend": str, "url": str, "prefix": str, "counter_ttl_s": float, "sync_interval_s": float}}
 STATE_BACKENDS = ("memory", "redis")
 DERIVED = {"identity": {"default_tier"}}  # set from another section ([tiers] default_tier), not written

@@ -16,6 +16,7 @@ from lb.core.identity import IdentityError, parse_identity
 from lb.core.queueing import make_queue
 from lb.core.tenant_stats import TenantStats
 from lb.core.types import RequestFacts
+from lb.daemon.budgets import Budgets
 from lb.daemon.errors import LBError
 from lb.daemon.metrics import LATENCY_BUCKETS
 from lb.daemon.state import make_store
@@ -32,6 +33,7 @@ class Fairness:
         self.throttled = 0
         self.rate = ServiceRate(cfg.admission.service_tps)  # learned tokens/s the region completes
         self.tenants = TenantStats(cfg.fairness.tenant_labels, cfg.fairness.tenant_half_life_s, LATENCY_BUCKETS)
+        self.budgets: Budgets | None = None  # set by attach_budgets when [budgets] sets a limit
 
     def make_queue(self):
         return make_queue(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
@@ -45,6 +47,8 @@ class Fairness:
 
     async def check_throttle(self, facts: RequestFacts, now: float, queue_len: int, any_available: bool) -> None:
         """Counts the request in its windows; raises the 429 when OIT/RPM says throttle."""
+        if self.budgets is not None:
+            await self.budgets.check(facts)  # 429 once the tenant's tokens per minute are spent
         cfg = self.cfg.fairness
         rules = rate_limits(facts, cfg)
         if cfg.throttle == "none" or not rules:
@@ -72,6 +76,8 @@ class Fairness:
         if usage:
             self.rate.completed(prompt + output)
         self.service.complete(facts, input_tokens=prompt, output_tokens=output)
+        if self.budgets is not None and usage:
+            self.budgets.spent(facts, prompt, output)
         self.tenants.served(facts.user, prompt + output if usage else 0, now)
         self.ledger.completed(facts, now, prompt + output)
 
@@ -79,9 +85,15 @@ class Fairness:
         """The dispatcher's `on_dispatch` hook: the tenant's queue wait, for /metrics."""
         self.tenants.waited(facts.user, waited)
 
+    def attach_budgets(self, registry) -> None:
+        if self.cfg.budgets.enabled:
+            self.budgets = Budgets(self.cfg, self.store, registry)
+
     async def sync_counters(self) -> None:
         """Push this LB's service-counter changes to the shared store and adopt the totals, so
         several LBs behind one name order tenants by one history. Runs off the request path."""
+        if self.budgets is not None:
+            await self.budgets.flush()
         deltas = self.service.drain_deltas()
         try:
             for user, delta in deltas.items():

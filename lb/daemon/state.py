@@ -21,8 +21,9 @@ class StateStore(Protocol):
     async def hit(self, key: str, now: float, window_s: float, limit: int) -> HitResult:
         """Record one request in `key`'s sliding window if it has room (atomically)."""
 
-    async def add(self, key: str, amount: float) -> float:
-        """Add to a service counter; returns its new total."""
+    async def add(self, key: str, amount: float, ttl_s: float | None = None) -> float:
+        """Add to a counter; returns its new total. `ttl_s`: it expires that long after its last
+        add (default: the store's counter TTL; the memory store keeps counters for its life)."""
 
     async def get_many(self, keys: Iterable[str]) -> dict[str, float]:
         """Totals of the counters that exist (missing keys are left out)."""
@@ -58,7 +59,9 @@ class MemoryStore:
         reset = _reset_after(times[0], now, window_s) if times else 0.0
         return HitResult(allowed, len(times), reset)
 
-    async def add(self, key: str, amount: float) -> float:
+    async def add(self, key: str, amount: float, ttl_s: float | None = None) -> float:
+        if len(self._counters) >= self.max_keys and key not in self._counters:
+            self._counters.pop(next(iter(self._counters)))  # bounded: the oldest counter goes
         total = self._counters[key] = self._counters.get(key, 0.0) + amount
         return total
 
@@ -122,8 +125,9 @@ class RedisStore:
             keys=[self.prefix + key], args=[repr(now), repr(window_s), limit, uuid.uuid4().hex, ttl_ms])
         return HitResult(bool(allowed), int(count), _reset_after(float(oldest), now, window_s))
 
-    async def add(self, key: str, amount: float) -> float:
-        return float(await self._add(keys=[self.prefix + key], args=[repr(float(amount)), self.counter_ttl_ms]))
+    async def add(self, key: str, amount: float, ttl_s: float | None = None) -> float:
+        ttl_ms = self.counter_ttl_ms if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+        return float(await self._add(keys=[self.prefix + key], args=[repr(float(amount)), ttl_ms]))
 
     async def get_many(self, keys: Iterable[str]) -> dict[str, float]:
         keys = list(keys)

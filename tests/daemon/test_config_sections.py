@@ -66,6 +66,8 @@ BAD = [
     ({"peering": {"regoin": "eu"}}, "peering.regoin: unknown key; did you mean `region`?"),
     ({"peering": {"tau": "x"}}, "peering.tau: expected an integer"),
     ({"peering": {"policy": "random"}}, "peering.policy: 'random' is not allowed; use one of: prefix-trie"),
+    ({"budgets": {"tokens_per_minute": -5}}, "budgets.tokens_per_minute: must be >= 0"),
+    ({"budgets": {"tokens_per_mnute": 5}}, "budgets.tokens_per_mnute: unknown key; did you mean `tokens_per_minute`?"),
     ({"peers": [{"region": "eu"}]}, "peers[0].url: required, a non-empty string"),
     ({"peers": [{"region": "eu", "url": "eu.example"}]}, "peers[0].url: 'eu.example' is not an http(s) URL"),
     ({"peers": [{"region": "eu", "url": "http://e:1", "adopt": "yes"}]}, "peers[0].adopt: expected true or false"),
