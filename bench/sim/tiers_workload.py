@@ -4,7 +4,8 @@ The live scenario's set-up (bench/scenarios/tiers.py) without its noise: Azure c
 trace arrivals (open loop, sizes x0.2, prompts clipped to 512 tokens), each request IW-F
 (30 %) or IW-N (70 %) with TTFT targets 0.5 s / 1.5 s (DPA's tau_n 0.2 s, tau_p 2 s), one
 emulated tiny engine at half speed with 2 running requests at most, behind `lb` with each
-queue order: FCFS, EDF, PF, DPA. Each seed replays its own stretch of the trace, its times
+queue order: FCFS, EDF, PF, DPA (SageServe's classes with tau_p 2 s as live; with 30 s; and
+with no promotion of expired requests: tau_p infinite). Each seed replays its own stretch of the trace, its times
 scaled so the offered rate is a share of the engine's capacity (measured in the simulator:
 requests/s it completes when saturated). Two loads: 0.9 (near capacity, the live scenario's
 regime) and 1.2 (above capacity, SageServe's regime). NIW batch work is not part of it: it waits in the daemon's deferred queue
@@ -16,7 +17,9 @@ target, or not answered by the end of the run) and Q3 TTFT.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -27,10 +30,12 @@ from bench.workloads.base import rng_for
 from lb.core.tiers import TierConfig, TierTarget
 from lb.core.types import Tier
 
-ORDERS = ("fcfs", "edf", "pf", "dpa")
 TARGETS = {Tier.IW_F: 0.5, Tier.IW_N: 1.5}
 TIERS = TierConfig(targets={**TierConfig().targets, **{t: TierTarget(ttft_s=s, e2e_s=60.0) for t, s in TARGETS.items()}},
                    tau_n_s=0.2, tau_p_s=2.0)
+# system -> (queue order, DPA's tau_p: how late a request may be before it is served first)
+SYSTEMS = {"fcfs": ("fcfs", 2.0), "edf": ("edf", 2.0), "pf": ("pf", 2.0), "dpa": ("dpa", 2.0),
+           "dpa tau_p=30s": ("dpa", 30.0), "dpa no promotion": ("dpa", math.inf)}
 LOADS = {"near": 0.9, "over": 1.2}  # offered rate / the engine's capacity
 SIZE_SCALE = 0.2
 MAX_INPUT = 512
@@ -73,14 +78,16 @@ def time_scale(seed: int, load: float) -> float:
 
 
 def run_one(args: tuple[str, str, int, float]) -> dict:
-    order, load, seed, duration_s = args
-    arena = Arena(FLEET, f"lb {order}", seed=seed, lb_cfg=lb_config(queue=order, tiers=TIERS))
+    system, load, seed, duration_s = args
+    order, tau_p = SYSTEMS[system]
+    tiers = dataclasses.replace(TIERS, tau_p_s=tau_p)
+    arena = Arena(FLEET, f"lb {system}", seed=seed, lb_cfg=lb_config(queue=order, tiers=tiers))
     sent = calls(seed, time_scale(seed, LOADS[load]), duration_s)
     ttft: dict[str, list[float]] = {t.value: [] for t in TARGETS}
     for at, call in sent:
         arena.loop.at(at, arena.send, call, lambda d, tier=call.tier.value: ttft[tier].append(d.ttft))
     arena.loop.run(duration_s)
-    out = {"order": order, "load": load, "seed": seed, "throughput_rps": sum(map(len, ttft.values())) / duration_s,
+    out = {"order": system, "load": load, "seed": seed, "throughput_rps": sum(map(len, ttft.values())) / duration_s,
            "ttft_p50_s": float(np.percentile([x for v in ttft.values() for x in v], 50)),
            "ttft_p90_s": float(np.percentile([x for v in ttft.values() for x in v], 90)),
            "cut_at_deadline": len(sent) - sum(map(len, ttft.values()))}
@@ -101,7 +108,7 @@ def summarize(runs: list[dict], seeds: int, duration_s: float) -> dict:
            "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
            "violations": "share of the tier's requests whose TTFT exceeded its target or that were unanswered at the end"}
     for load in LOADS:
-        for order in ORDERS:
+        for order in SYSTEMS:
             mine = [r for r in runs if r["order"] == order and r["load"] == load]
             entry = {m: median_ci([r[m] for r in mine]) for m in ("throughput_rps", "ttft_p50_s", "ttft_p90_s")}
             for t in TARGETS:
@@ -128,7 +135,7 @@ def table(summary: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     seeds, duration = seeds_and_length(args)
-    jobs = [(order, load, seed, duration) for seed in range(seeds) for load in LOADS for order in ORDERS]
+    jobs = [(system, load, seed, duration) for seed in range(seeds) for load in LOADS for system in SYSTEMS]
     return run_all("tiers", args, jobs, run_one, summarize, table,
                    f"{seeds} seeds, {duration:g} s each (median [95 % CI]); loads {LOADS} x capacity "
                    f"{capacity_rps():.2f} req/s")
