@@ -382,6 +382,7 @@ class Emulator:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._note_traceparent)
         if self.echo_headers:
             app.on_response_prepare.append(_echo_headers)
         r = app.router
@@ -418,9 +419,18 @@ class Emulator:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/metrics", self.metrics)
+        r.add_get("/debug/traceparent", self.last_traceparent)
         app.on_startup.append(self._start_driver)
         app.on_cleanup.append(self._stop_driver)
         return app
+
+    async def _note_traceparent(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Tests of tracing: the `traceparent` the last request carrying one arrived with."""
+        if "traceparent" in request.headers:
+            self.traceparent = request.headers["traceparent"]
+
+    async def last_traceparent(self, request: web.Request) -> web.Response:
+        return _json({"traceparent": getattr(self, "traceparent", None)})
 
     async def _start_driver(self, app: web.Application) -> None:
         self._driver_task = asyncio.create_task(self.driver.run())

@@ -66,6 +66,7 @@ class ServerConfig:
     tls_cert: str = ""  # PEM certificate (chain): the listener serves HTTPS; re-read on SIGHUP (docs/operations.md)
     tls_key: str = ""  # its private key (PEM); empty: in tls_cert
     tls_client_ca: str = ""  # CA bundle: clients must present a certificate it signed (mTLS between peer LBs)
+    tracing: bool = False  # OpenTelemetry spans (the otel extra); also on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set
 
 
 @dataclass(frozen=True)

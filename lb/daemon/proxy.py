@@ -36,6 +36,7 @@ from lb.daemon.hung import Attempt, HungWatch
 from lb.daemon.jobs import Jobs
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.surface import MultipartBody, fanout, read_multipart, reply_headers, upstream_headers
+from lb.daemon.tracing import make_tracing
 
 log = logging.getLogger("lb.proxy")
 
@@ -154,11 +155,13 @@ class Proxy:
         self.coalescing = Coalescing(cfg.coalesce, metrics)  # identical temperature-0 requests share one
         self.hung = HungWatch(cfg, registry, metrics)  # requests a replica holds while its probes show it idle
         self.access_log = AccessLog() if cfg.server.access_log else None
+        self.tracing = make_tracing(cfg)  # OpenTelemetry spans, or empty hooks when off (lb.daemon.tracing)
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = request.headers.get(H_REQUEST_ID) or uuid.uuid4().hex
         out = Outcome(request_id=rid, route=route.name)
+        span = self.tracing.start_request(request, route.name)
         task = asyncio.current_task()
         self.inflight.add(task)
         try:
@@ -193,6 +196,7 @@ class Proxy:
                 self._idle.set()
             out.e2e_s = time.monotonic() - t0
             self._account(out)
+            self.tracing.end_request(span, out)
 
     async def drain(self, grace_s: float) -> int:
         """SIGTERM: new requests get 503; running ones have `grace_s` to finish; the rest are
@@ -305,11 +309,13 @@ class Proxy:
                 rep, waited, why = self._direct(facts, accepts, tried), 0.0, DIRECT_CHOICE
             else:
                 rep, waited, why = await self.dispatcher.acquire(facts, accepts, frozenset(tried), ticket)
+                self.tracing.queue_wait(waited)
             out.attempts += 1
             out.target = rep.id
             out.decision, out.matched_blocks, out.prompt_blocks = why.reason, why.matched_blocks, why.total_blocks
             out.queue_wait_s = (out.queue_wait_s or 0.0) + waited
             attempt = self.hung.start(rep)
+            span = self.tracing.start_attempt(rep, out.attempts)
             try:
                 last_try = out.attempts > up.retries
                 payload, sent = body, doc
@@ -317,8 +323,8 @@ class Proxy:
                     payload = self.gate.body_for(request, rep.view.engine, facts, doc, body)
                     sent, payload = _with_sglang_rid(rep.view.engine, route.name, doc, payload)
                 try:
-                    resp, retry_reason = await self._open(rep, request, payload, headers, last_try, facts.stream,
-                                                          attempt)
+                    resp, retry_reason = await self._open(rep, request, payload, self.tracing.headers(span, headers),
+                                                          last_try, facts.stream, attempt)
                 except asyncio.CancelledError:  # the client left while the engine held the request
                     self._abort_sglang(rep, sent)
                     raise
@@ -328,6 +334,7 @@ class Proxy:
                     except _Retry as r:
                         retry_reason = r.reason
             finally:
+                self.tracing.end_attempt(span, out)
                 self.hung.finish(attempt)
                 self.registry.completed(rep)
                 if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
