@@ -1,20 +1,21 @@
 """Route by predicted time to first token, with each replica's rates learned online.
 
-For each eligible replica the scorer estimates the request's TTFT there:
+For each eligible replica the scorer estimates what placing the request there costs:
 
-    ttft(r) = step(r) + prefill(r) x (ahead(r) + uncached(r))
+    cost(r) = step(r) x (1 + ratio x (ahead(r) + uncached(r) + others_weight x running(r) x uncached(r)))
+
+the request's TTFT there plus the delay it adds to the requests already running there.
 
 - `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
   the trie says `r` holds (the prefix trie is the cache estimate).
 - `ahead(r)`: prefill work queued in front of it — the engine's waiting requests at the last
-  probe (at this request's size, the only size the LB knows for them) plus the tokens `lb`
-  pushed since that probe (`pushed_tokens_since_probe`), which no probe has counted yet.
-- `step(r)`: the replica's inter-token time, learned from responses (e2e − TTFT over the
-  output tokens): the engine step a new request waits for at least once, longer on a
-  replica with a bigger batch or slower hardware.
-- `prefill(r)`: seconds per prefill token on `r`, learned as a ratio of means (EWMA of the
-  TTFT left after one step over EWMA of the work the prediction counted), so one fully cached
-  request cannot blow it up.
+  probe (at this request's size, the only size the LB knows for them) plus the uncached
+  tokens of the pushes no probe has counted yet (the newest `pushed_since_probe`).
+- `running(r) x uncached(r)`: each running request's next token waits for this prefill.
+- `step(r)`: the replica's inter-token time, learned from its streamed responses
+  ((e2e − TTFT) / (output tokens − 1)): the engine step a new request waits for at least
+  once, longer on a replica with a bigger batch or slower hardware.
+- `ratio`: prefill time per token in steps, one number for the fleet (`TtftModel`).
 
 Nothing depends on a profile's constants: a replica with no samples yet takes the median
 of the replicas that have some (a new replica is assumed typical); with no samples at all
@@ -23,7 +24,7 @@ replicas SP-P already admits. Ties (equal predictions) fall to least load.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from statistics import median
 from typing import Collection
@@ -36,6 +37,8 @@ from lb.core.types import Decision, ReplicaView, RequestFacts
 DEFAULT_ALPHA = 0.1
 # Work counted per placement until its response comes back; bounded (oldest dropped).
 MAX_TRACKED = 65_536
+# Uncached prefill of the latest pushes kept per target; more than SP-P's unseen cap (64).
+MAX_UNSEEN_TRACKED = 128
 
 
 @dataclass
@@ -125,6 +128,17 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         self.isolate_tenants = isolate_tenants
         self.model = TtftModel(alpha, others_weight=others_weight)
         self._last: dict[str, float] = {}  # candidate id → work, from the last `score`
+        self._last_uncached: dict[str, float] = {}
+        # per target, the uncached tokens of its latest pushes, newest last: the unseen ones
+        # (`pushed_since_probe`, settled by each probe) are the prefill still ahead there
+        self._pushed: dict[str, deque] = {}
+
+    def unseen_prefill(self, view: ReplicaView) -> float:
+        pushed = self._pushed.get(view.id)
+        n = view.pushed_since_probe
+        if not pushed or n <= 0:
+            return 0.0
+        return sum(pushed[i] for i in range(max(0, len(pushed) - n), len(pushed)))
 
     def uncached(self, view: ReplicaView, chain, prompt_tokens: int) -> float:
         depth, _ = self.trie.match(chain, {view.id}) if chain else (0, [])
@@ -134,15 +148,19 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         prompt = max(1, req.prompt_tokens)
         uncached = [self.uncached(v, chain, prompt) for v in candidates]
-        work = [v.pending * prompt + v.pushed_tokens_since_probe + u for v, u in zip(candidates, uncached)]
+        work = [v.pending * prompt + self.unseen_prefill(v) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
+        self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}
         depth, _ = self.trie.match(chain, {v.id for v in candidates}) if chain else (0, [])
         decision.matched_blocks, decision.total_blocks = depth, len(chain)
         decision.reason = "predicted"
         return [-t for t in self.model.predict(candidates, work, uncached)]
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
-        self.model.placed(req.request_id, target_id, self._last.get(target_id, float(req.prompt_tokens)))
+        work = self._last.get(target_id, float(req.prompt_tokens))
+        self.model.placed(req.request_id, target_id, work)
+        uncached = self._last_uncached.get(target_id, float(req.prompt_tokens))
+        self._pushed.setdefault(target_id, deque(maxlen=MAX_UNSEEN_TRACKED)).append(uncached)
         self.trie.insert(request_chain(req, self.block_chars, self.isolate_tenants), target_id, now)
 
     def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
@@ -152,6 +170,7 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
     def forget(self, target_id: str) -> None:
         self.trie.forget(target_id)
         self.model.forget(target_id)
+        self._pushed.pop(target_id, None)
 
     def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)

@@ -39,8 +39,14 @@ def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_s
     follow = req(shared + prompt(("b", 1)), rid="f", prompt_tokens=2048)
     assert policy.choose(follow, vs, now=2.0) == "r1"  # r1 holds 16 of 17 blocks
     assert policy.last.reason == "predicted" and policy.last.matched_blocks == 16
-    vs[1].pushed_tokens_since_probe = 50_000  # a burst the last probe has not seen yet
+    for i in range(8):  # a burst of fresh prompts onto r1 that the last probe has not seen yet
+        burst = req(prompt((f"burst{i}", 16)), rid=f"burst{i}", prompt_tokens=2048)
+        policy.choose(burst, vs[1:], now=2.0)
+        policy.observe(burst, "r1", now=2.0)
+    vs[1].pushed_since_probe = 8
     assert policy.choose(follow, vs, now=2.0) == "r0"
+    vs[1].pushed_since_probe = 0  # a probe saw them all (none waiting): the holder wins again
+    assert policy.choose(follow, vs, now=3.0) == "r1"
 
 
 def test_running_batch_counts_the_delay_a_cache_miss_adds_to_it():
