@@ -88,6 +88,15 @@ def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
         assert entry["throughput_rps"]["median"] > 0
     assert (tmp_path / "report.md").read_text().count("| lb |") == 1
     assert (tmp_path / "ttft_cdf.png").exists() and (tmp_path / "throughput.png").exists()
+    engines = json.loads((tmp_path / "engines.json").read_text())  # per replica, per run
+    assert sorted((e["system"], e["seed"]) for e in engines) == sorted(
+        (s, seed) for s in ("lb", "nginx least_conn") for seed in (0, 1))
+    for e in engines:
+        assert [r["replica"] for r in e["replicas"]] == ["local/1", "local/2", "local/3", "local/4"]
+        assert sum(r["requests"] for r in e["replicas"]) > 0
+        for r in e["replicas"]:
+            assert 0.0 <= r["hit_ratio"] <= 1.0 and r["waiting_max"] >= r["waiting_mean"] >= 0
+            assert r["lost_while_waiting"] <= r["evicted_tokens"]
 
 
 def test_simulated_clients_tokenize_prompts_exactly_as_the_emulator():
