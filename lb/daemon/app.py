@@ -29,6 +29,7 @@ from lb.daemon.discovery import Discovery
 from lb.daemon.dispatch import Dispatcher
 from lb.daemon.errors import LBError, answer_errors, error_body
 from lb.daemon.fairness import TenantCollector
+from lb.daemon.instances import SharedPushes
 from lb.daemon.jobs import add_routes as add_job_routes
 from lb.daemon.metrics import Metrics
 from lb.daemon.peers import STATUS_PATH as PEER_STATUS_PATH, Peers
@@ -68,9 +69,14 @@ class LB:
         self.proxy.peering = self.peers
         self.discovery = Discovery(cfg.discovery, self.registry)  # Kubernetes / DNS replica sources
         self.metrics.registry.register(self.discovery)  # lb_discovery_*
+        shared = cfg.state.get("backend") == "redis" and cfg.state.get("share_pushes", True)
+        # several LBs per region: each one's pushes spend the others' headroom too (lb.daemon.instances)
+        self.shared_pushes = SharedPushes(cfg.state, self.registry, self.dispatcher, self.prober) if shared else None
 
     async def start(self) -> None:
         await self.prober.start()
+        if self.shared_pushes is not None:
+            await self.shared_pushes.start()
         for rc in self.cfg.replicas:
             self.registry.add(rc)
         self.discovery.start()
@@ -88,6 +94,8 @@ class LB:
         await self.proxy.gate.close()
         await self.dispatcher.close()
         await self.prober.close()
+        if self.shared_pushes is not None:
+            await self.shared_pushes.close()
         await self.registry.close()
 
     def reload(self) -> None:

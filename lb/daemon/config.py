@@ -343,7 +343,8 @@ _SCHEMAS: dict[str, type | dict] = {
     "identity": IdentityConfig, "fairness": FairnessConfig, "tiers": TierConfig, "admission": AdmissionConfig,
     "deferred": DeferredConfig, "scaling": ScalingConfig, "peering": PeeringConfig, "planner": PLANNER_KEYS,
     "budgets": BudgetConfig,
-    "state": {"backend": str, "url": str, "prefix": str, "counter_ttl_s": float, "sync_interval_s": float}}
+    "state": {"backend": str, "url": str, "prefix": str, "counter_ttl_s": float, "sync_interval_s": float,
+              "share_pushes": bool}}
 STATE_BACKENDS = ("memory", "redis")
 DERIVED = {"identity": {"default_tier"}}  # set from another section ([tiers] default_tier), not written
 

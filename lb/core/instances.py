@@ -1,0 +1,39 @@
+"""Several LBs per region over the same replicas: what one instance makes of the pushes the
+others made (they arrive through the shared store, lb.daemon.instances). Pure.
+
+SP-P's headroom runs on the engine's last probed queue plus the pushes that probe cannot
+have seen (lb.core.pushing). Another instance's pushes are seen by the engine like ours, so
+the same rule applies to them: a push made after our last probe started is unseen by it and
+spends headroom until a later probe counts it in the engine's own queue. Without this, each
+instance would hand out the whole headroom, and the replica would get it twice.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from lb.core.types import ReplicaView
+
+MAX_REMOTE_LOG = 1024  # the others' pushes remembered per replica (only recent ones matter)
+
+
+def note_remote_push(view: ReplicaView, log: deque, pushed_at: float, tokens: int, probe_started_at: float | None) -> None:
+    """Another instance pushed to this replica at `pushed_at` (wall clock, as every instance
+    stamps it): remembered, and unseen by our last probe (started at `probe_started_at`, wall)
+    when it came after that probe started."""
+    log.append((pushed_at, tokens))
+    while len(log) > MAX_REMOTE_LOG:
+        log.popleft()
+    if probe_started_at is None or pushed_at > probe_started_at:
+        view.pushed_since_probe += 1
+        view.pushed_tokens_since_probe += tokens
+
+
+def remote_unseen(log: deque, probe_started_at: float, keep_s: float = 60.0) -> tuple[int, int]:
+    """After a probe that started at `probe_started_at` answered: how many of the others' pushes
+    (and their KV tokens) it cannot include, i.e. the ones made after it started. Entries older
+    than `keep_s` before it are dropped."""
+    while log and log[0][0] < probe_started_at - keep_s:
+        log.popleft()
+    # instances' clocks and messages need not arrive in order: look at every entry (at most MAX_REMOTE_LOG)
+    after = [k for t, k in log if t > probe_started_at]
+    return len(after), sum(after)

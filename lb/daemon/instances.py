@@ -1,0 +1,118 @@
+"""Several LBs per region: each instance tells the others, through the shared Redis store, of
+every push it makes to a replica, so SP-P's headroom is not spent twice (lb.core.instances).
+
+A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
+tokens] by a sender task (a bounded queue: the request path never waits on Redis); a
+subscriber counts the others' pushes as unseen on the replica's view, and each of our probes
+re-counts the ones it cannot include. On with `[state] backend = "redis"` (turn off with
+`share_pushes = false`). Replicas are matched by id, so give every instance the same replica
+set (the same config, or the same discovery).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import defaultdict, deque
+
+import orjson
+
+from lb.core.instances import note_remote_push, remote_unseen
+from lb.core.pushing import push_tokens
+
+log = logging.getLogger("lb.instances")
+MAX_UNSENT = 10_000  # pushes waiting to be published; beyond, new ones are dropped (and counted)
+
+
+class SharedPushes:
+    def __init__(self, state: dict, registry, dispatcher, prober):
+        self.url = state.get("url", "redis://127.0.0.1:6379/0")
+        self.channel = state.get("prefix", "lb:") + "pushes"
+        self.id = secrets.token_hex(8)
+        self.registry = registry
+        self.logs: dict[str, deque] = defaultdict(deque)  # replica id -> the others' pushes (wall time, tokens)
+        self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
+        self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
+        self.dropped = 0
+        self.received = 0
+        self.tasks: list[asyncio.Task] = []
+        self.redis = None
+        dispatcher.on_dispatch.append(self.pushed)
+        registry.on_gone(lambda rep: (self.logs.pop(rep.id, None), self.probe_started.pop(rep.id, None)))
+        prober.on_probe.append(self.probed)
+
+    async def start(self) -> None:
+        import redis.asyncio as aioredis  # the `redis` extra, needed for the redis state backend anyway
+
+        self.redis = aioredis.from_url(self.url)
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._send(), name="pushes-send"),
+                      loop.create_task(self._listen(), name="pushes-listen")]
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # -- our side ------------------------------------------------------------------------
+    def pushed(self, facts, rep, waited: float, now: float) -> None:
+        """The dispatcher's on_dispatch: one push of ours, to be published."""
+        try:
+            self.unsent.put_nowait((rep.id, time.time(), push_tokens(facts)))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def probed(self, rep, load, started_mono: float) -> None:
+        """The prober's on_probe (after lb.core.pushing.settle_probe set our own unseen pushes):
+        add the others' pushes this probe cannot include."""
+        started = time.time() - (time.monotonic() - started_mono)
+        self.probe_started[rep.id] = started
+        n, tokens = remote_unseen(self.logs[rep.id], started) if rep.id in self.logs else (0, 0)
+        rep.view.pushed_since_probe += n
+        rep.view.pushed_tokens_since_probe += tokens
+
+    async def _send(self) -> None:
+        while True:
+            batch = [await self.unsent.get()]
+            while not self.unsent.empty() and len(batch) < 256:
+                batch.append(self.unsent.get_nowait())
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for rid, t, tokens in batch:
+                        pipe.publish(self.channel, orjson.dumps([self.id, rid, t, tokens]))
+                    await pipe.execute()
+            except Exception as e:  # Redis away: each instance still counts its own pushes
+                log.warning("could not publish %d pushes to the other instances: %s: %s", len(batch),
+                            type(e).__name__, e)
+                await asyncio.sleep(1.0)
+
+    # -- theirs --------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            try:
+                pubsub = self.redis.pubsub()
+                await pubsub.subscribe(self.channel)
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        self._heard(msg["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("lost the other instances' pushes channel: %s: %s; resubscribing", type(e).__name__, e)
+                await asyncio.sleep(1.0)
+
+    def _heard(self, data: bytes) -> None:
+        try:
+            sender, rid, t, tokens = orjson.loads(data)
+        except (ValueError, TypeError):
+            return
+        if sender == self.id:
+            return
+        rep = self.registry.replicas.get(rid)
+        if rep is None:
+            return
+        self.received += 1
+        note_remote_push(rep.view, self.logs[rid], float(t), int(tokens), self.probe_started.get(rid))

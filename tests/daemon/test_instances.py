@@ -1,0 +1,83 @@
+"""Two `lb` instances of one region over one emulated replica and one real redis-server.
+
+The replica runs at most 4 requests (it reports `max_running_requests`), probes are rare (5 s),
+so between probes SP-P decides on the pushes the last probe cannot have seen. 8 long streams
+arrive alternately at `a` and `b`: together they push at most 4 (the replica's headroom) and
+queue the rest, because each instance counts the other's pushes (lb.daemon.instances); the
+engine never queues a request. `share_pushes = false`, the same run pushes 8.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.conftest import http_json, needs_emulator, start_emulator, start_lb
+from tests.procs import metric, poll
+
+pytestmark = [needs_emulator, pytest.mark.timeout(90)]
+
+STREAMS = 8
+MAX_RUNNING = 4
+
+
+def open_stream(port: int) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 500, "stream": True,
+        "ignore_eos": True}), {"Content-Type": "application/json"})
+    return conn
+
+
+def engine_load(emu_url: str) -> dict:
+    with urllib.request.urlopen(emu_url + "/get_load", timeout=5) as r:
+        return json.loads(r.read())[0]
+
+
+def outstanding(lb) -> int:
+    status, doc = http_json("GET", lb.url + "/admin/replicas", headers={"Authorization": f"Bearer {lb.token}"})
+    assert status == 200, doc
+    return sum(r["outstanding"] for r in doc["replicas"])
+
+
+def run_pair(tmp_path: Path, procs, redis_url: str, share: bool) -> tuple[int, int]:
+    """(pushed by both instances, waiting in the engine) once every stream is pushed or queued."""
+    emu, emu_url = start_emulator("--max-running", str(MAX_RUNNING), "--speed", "0.2", name=f"emu-{share}")
+    procs.append(emu)
+    cfg = tmp_path / f"lb-{share}.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "pair-{share}:"\n'
+                   f'share_pushes = {"true" if share else "false"}\n\n'
+                   f'[probes]\ninterval_s = 5.0\nearly_reprobe_s = 4.0\n\n'
+                   f'[[replicas]]\nurl = "{emu_url}"\nengine = "sglang"\nmodels = ["m"]\n')
+    pair = [start_lb(config=cfg, name=f"lb-{share}-{i}") for i in range(2)]
+    procs.extend(lb.proc for lb in pair)
+    if share:  # both subscribers listen before the first push
+        import redis
+        r = redis.Redis.from_url(redis_url)
+        try:
+            poll(lambda: dict(r.pubsub_numsub(f"pair-{share}:pushes")).get(f"pair-{share}:pushes".encode()) == 2,
+                 what="both instances subscribed")
+        finally:
+            r.close()
+    conns = []
+    try:
+        for i in range(STREAMS):
+            conns.append(open_stream(pair[i % 2].port))
+            time.sleep(0.05)  # alternate arrivals, as behind an L4 balancer
+        poll(lambda: sum(outstanding(lb) + int(metric(lb.url, "lb_queue_length")) for lb in pair) == STREAMS,
+             what="every stream pushed or queued", interval=0.1)
+        return sum(outstanding(lb) for lb in pair), engine_load(emu_url)["num_waiting_reqs"]
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_two_instances_share_one_replicas_headroom(tmp_path: Path, procs, redis_url):
+    pushed, waiting = run_pair(tmp_path, procs, redis_url, share=True)
+    assert pushed <= MAX_RUNNING and waiting == 0
+    pushed_alone, _ = run_pair(tmp_path, procs, redis_url, share=False)
+    assert pushed_alone > MAX_RUNNING  # each instance spent the whole headroom: the case sharing exists for
