@@ -37,3 +37,23 @@ def remote_unseen(log: deque, probe_started_at: float, keep_s: float = 60.0) -> 
     # instances' clocks and messages need not arrive in order: look at every entry (at most MAX_REMOTE_LOG)
     after = [k for t, k in log if t > probe_started_at]
     return len(after), sum(after)
+
+
+# -- prefix affinity across instances ----------------------------------------------------------
+# Each push carries the request's prefix chain (its first MAX_SHARED_BLOCKS block hashes), and
+# every other instance records it in its own prefix trie for the same replica: all instances
+# route by one prefix history, as one LB would, without a lookup on the request path.
+MAX_SHARED_BLOCKS = 256  # a longer prompt shares its first 256 blocks (affinity needs the prefix)
+HASH_BYTES = 16  # lb.core.prefix.block_hashes
+
+
+def encode_chain(chain, max_blocks: int = MAX_SHARED_BLOCKS) -> str:
+    return b"".join(chain[:max_blocks]).hex()
+
+
+def decode_chain(text: str) -> tuple[bytes, ...]:
+    """The chain `encode_chain` wrote; ValueError when it is not one."""
+    raw = bytes.fromhex(text)
+    if len(raw) % HASH_BYTES or len(raw) > MAX_SHARED_BLOCKS * HASH_BYTES:
+        raise ValueError("not a prefix chain")
+    return tuple(raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES))

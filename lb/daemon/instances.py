@@ -1,5 +1,6 @@
 """Several LBs per region: each instance tells the others, through the shared Redis store, of
-every push it makes to a replica, so SP-P's headroom is not spent twice (lb.core.instances).
+every push it makes to a replica, so SP-P's headroom is not spent twice, and of the prefix it
+sent there, so every instance's prefix trie holds the region's history (lb.core.instances).
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
 tokens] by a sender task (a bounded queue: the request path never waits on Redis); a
@@ -18,7 +19,8 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.instances import note_remote_push, remote_unseen
+from lb.core.instances import decode_chain, encode_chain, note_remote_push, remote_unseen
+from lb.core.prefix import request_chain
 from lb.core.pushing import push_tokens
 
 log = logging.getLogger("lb.instances")
@@ -31,6 +33,7 @@ class SharedPushes:
         self.channel = state.get("prefix", "lb:") + "pushes"
         self.id = secrets.token_hex(8)
         self.registry = registry
+        self.policy = dispatcher.policy
         self.logs: dict[str, deque] = defaultdict(deque)  # replica id -> the others' pushes (wall time, tokens)
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
@@ -60,8 +63,10 @@ class SharedPushes:
     # -- our side ------------------------------------------------------------------------
     def pushed(self, facts, rep, waited: float, now: float) -> None:
         """The dispatcher's on_dispatch: one push of ours, to be published."""
+        mem = self.policy.prefix_memory  # the prefix-trie policies: share where this prefix went
+        chain = encode_chain(request_chain(facts, mem.block_chars, mem.isolate_tenants)) if mem is not None else ""
         try:
-            self.unsent.put_nowait((rep.id, time.time(), push_tokens(facts)))
+            self.unsent.put_nowait((rep.id, time.time(), push_tokens(facts), chain))
         except asyncio.QueueFull:
             self.dropped += 1
 
@@ -81,8 +86,8 @@ class SharedPushes:
                 batch.append(self.unsent.get_nowait())
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for rid, t, tokens in batch:
-                        pipe.publish(self.channel, orjson.dumps([self.id, rid, t, tokens]))
+                    for rid, t, tokens, chain in batch:
+                        pipe.publish(self.channel, orjson.dumps([self.id, rid, t, tokens, chain]))
                     await pipe.execute()
             except Exception as e:  # Redis away: each instance still counts its own pushes
                 log.warning("could not publish %d pushes to the other instances: %s: %s", len(batch),
@@ -106,7 +111,8 @@ class SharedPushes:
 
     def _heard(self, data: bytes) -> None:
         try:
-            sender, rid, t, tokens = orjson.loads(data)
+            sender, rid, t, tokens, chain = orjson.loads(data)
+            chain = decode_chain(chain)
         except (ValueError, TypeError):
             return
         if sender == self.id:
@@ -116,3 +122,6 @@ class SharedPushes:
             return
         self.received += 1
         note_remote_push(rep.view, self.logs[rid], float(t), int(tokens), self.probe_started.get(rid))
+        mem = self.policy.prefix_memory
+        if chain and mem is not None:  # the other instance sent this prefix there: so would we now
+            mem.trie.insert(chain, rid, time.monotonic())

@@ -81,3 +81,31 @@ def test_two_instances_share_one_replicas_headroom(tmp_path: Path, procs, redis_
     assert pushed <= MAX_RUNNING and waiting == 0
     pushed_alone, _ = run_pair(tmp_path, procs, redis_url, share=False)
     assert pushed_alone > MAX_RUNNING  # each instance spent the whole headroom: the case sharing exists for
+
+
+def test_a_prefix_lands_on_the_same_replica_whichever_instance_receives_it(tmp_path: Path, procs, redis_url):
+    urls = []
+    for i in range(2):
+        emu, url = start_emulator("--seed", str(i), name=f"emu-affinity-{i}")
+        procs.append(emu)
+        urls.append(url)
+    cfg = tmp_path / "lb-affinity.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "affinity:"\n\n'
+                   + "".join(f'[[replicas]]\nurl = "{u}"\nengine = "sglang"\nmodels = ["m"]\n\n' for u in urls))
+    a, b = (start_lb(config=cfg, name=f"lb-affinity-{n}") for n in "ab")
+    procs.extend([a.proc, b.proc])
+
+    def ask(lb, text: str) -> str:
+        status, doc = http_json("POST", lb.url + "/v1/chat/completions", {
+            "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}, timeout=30)
+        assert status == 200, doc
+        return doc["_headers"]["X-LB-Replica"]
+
+    first_seen = set()
+    for s in range(8):  # each conversation starts at one instance and goes on at the other
+        first, then = (a, b) if s % 2 else (b, a)
+        history = f"conversation {s}: " + " ".join(f"word{s}-{i}" for i in range(400))
+        holder = ask(first, history)
+        first_seen.add(holder)
+        assert ask(then, history + " and one more question") == holder, f"conversation {s} moved"
+    assert len(first_seen) == 2  # the conversations were spread, so landing together is not chance

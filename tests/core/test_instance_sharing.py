@@ -27,3 +27,15 @@ def test_the_remote_log_is_bounded():
     for i in range(MAX_REMOTE_LOG + 10):
         note_remote_push(view, log, float(i), 1, probe_started_at=None)
     assert len(log) == MAX_REMOTE_LOG
+
+
+def test_a_prefix_chain_travels_between_instances_bounded():
+    from lb.core.instances import MAX_SHARED_BLOCKS, decode_chain, encode_chain
+    from lb.core.prefix import block_hashes
+    chain = block_hashes("x" * 100_000, 64)
+    assert len(chain) > MAX_SHARED_BLOCKS
+    assert decode_chain(encode_chain(chain)) == chain[:MAX_SHARED_BLOCKS]
+    assert decode_chain("") == ()
+    import pytest
+    with pytest.raises(ValueError):
+        decode_chain("abcd")  # not whole hashes
