@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
+from tests.procs import poll
 
 pytestmark = needs_emulator
 
@@ -67,7 +68,12 @@ def test_burst_waits_in_lb_not_in_engines(mode, engine):
     urls = [u for _, u in emus]
     d = start_lb(*[a for u in urls for a in ("--replica", u)], "--engine", engine, "--pushing", mode,
                  "--policy", "least-load")
-    _, doc = d.get_json("/admin/replicas", headers={"Authorization": f"Bearer {d.token}"})
+    def probed_both() -> dict | None:
+        # /ready needs one healthy replica; the room check needs both probed once.
+        _, doc = d.get_json("/admin/replicas", headers={"Authorization": f"Bearer {d.token}"})
+        return doc if all(r.get("kv_free_tokens") for r in doc["replicas"]) else None
+
+    doc = poll(probed_both, what="both replicas probed")
     # an idle tiny emulator: all of its 2048 KV tokens are free, as its /metrics or /v1/loads says
     assert [r["kv_free_tokens"] for r in doc["replicas"]] == [2048, 2048], doc
     seen: dict = {}
