@@ -165,9 +165,9 @@ class CompareLB(SimLB):
 
 
 def lb_config(**overrides) -> LBConfig:
-    """`lb`'s default configuration as the daemon ships it (prefix-trie, SP-pending, FCFS,
-    100 ms probes, peering on), with a variant's overrides."""
-    return LBConfig(**{"policy": "prefix-trie", "pushing": "sp-pending", **overrides})
+    """`lb`'s default configuration as the daemon ships it (`LBConfig`'s defaults are the
+    daemon's), with a variant's overrides."""
+    return LBConfig(**overrides)
 
 
 def build_lb_fronts(loop: EventLoop, fleet: FleetSpec, cfg: LBConfig, seed: int,

@@ -16,8 +16,8 @@ as fresh as the daemon's:
 - a dispatch pass runs on arrival, completion, early re-probe, and on each grid tick while
   requests wait (the daemon's "probe result" wake-up).
 
-Cross-region (SkyWalker Algorithm 1, `lb.core.peering.local_or_peer` with the `nearest` peer
-policy): a request nothing local can take goes to a peer LB that has an available replica
+Cross-region (SkyWalker Algorithm 1, `lb.core.peering.local_or_peer` with the configured peer
+policy, the daemon's `prefix-trie` by default): a request nothing local can take goes to a peer LB that has an available replica
 for its model and a queue no longer than `tau`, seen through a status as fresh as now; it
 arrives there one-way latency later marked `hops=1`, is placed on that region's replicas
 only, and its tokens travel back the same latency.
@@ -36,12 +36,13 @@ from bench.sim.metrics import Metrics
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
-from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT, record_push, settle_probe
+from lb.core.pushing import record_push, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.tiers import TierConfig
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
+from lb.daemon.config import Config
 
 
 @dataclass(slots=True)
@@ -62,40 +63,51 @@ class SimRequest:
     served_region: str | None = None
 
 
+# The daemon's defaults (`lb.daemon.config.Config()`): the one source of the simulated LB's
+# defaults, so a scenario without `[lb]` overrides runs the config the daemon ships.
+_DAEMON = Config()
+
+
 @dataclass
 class LBConfig:
-    """One simulated LB's settings. A scenario's `[lb] config = "lb.toml"` reads them from the
-    daemon's own config file (`from_daemon_config`: the same parser, checks and error
-    messages as `lb check-config`); other `[lb]` keys then override it. Without a file the
-    defaults below are the simulator's historical ones (least-load, τ = 0), which the
-    published scenario figures were measured with."""
+    """One simulated LB's settings. Every default is the daemon's own (`_DAEMON`: the same
+    dataclass defaults `lb check-config` fills in). A scenario's `[lb] config = "lb.toml"` reads
+    them from a daemon config file (`from_daemon_config`: the same parser, checks and error
+    messages as `lb check-config`); other `[lb]` keys then override it. A scenario that wants
+    another setting states it in its TOML with the reason."""
 
-    policy: str = "least-load"
-    pushing: str = "sp-pending"
-    queue: str = "fcfs"
-    probe_interval_s: float = 0.1
-    early_reprobe_s: float = 0.005
-    max_outstanding: int = DEFAULT_MAX_OUTSTANDING
-    push_credit: int = DEFAULT_PUSH_CREDIT
-    max_unseen: int = DEFAULT_MAX_UNSEEN
-    forward: bool = True  # cross-region forwarding to peers
-    peer_queue_tau: int = 0  # a peer is available only with its queue at most this long
-    policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
-    affinity: AffinityConfig = field(default_factory=AffinityConfig)
-    wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults)
-    tiers: TierConfig | None = None  # tier targets for EDF/DPA (None: the defaults)
+    policy: str = _DAEMON.routing.policy
+    pushing: str = _DAEMON.pushing.mode
+    queue: str = _DAEMON.queue.order
+    probe_interval_s: float = _DAEMON.probes.interval_s
+    early_reprobe_s: float = _DAEMON.probes.early_reprobe_s
+    max_outstanding: int = _DAEMON.pushing.max_outstanding
+    push_credit: int = _DAEMON.pushing.push_credit
+    max_unseen: int = _DAEMON.pushing.max_unseen
+    forward: bool = True  # cross-region forwarding to peers (the daemon forwards when it has peers)
+    peer_queue_tau: int = _DAEMON.peering.tau  # a peer is available only with its queue at most this long
+    peer_policy: str = _DAEMON.peering.policy  # which available peer takes a forward (lb.core.peering.PeerRouter)
+    policy_options: dict = field(default_factory=lambda: dict(_DAEMON.routing.options))  # make_policy(policy, **policy_options)
+    affinity: AffinityConfig = _DAEMON.affinity
+    wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults, the daemon's [fairness.wsc] defaults)
+    tiers: TierConfig | None = None  # tier targets for EDF/DPA (None: the defaults, the daemon's [tiers] defaults)
 
     @classmethod
     def from_daemon_config(cls, path: str, **overrides) -> "LBConfig":
         """The scheduler-facing settings of a daemon config file: [routing], [pushing],
-        [queue] order, [probes] interval and early re-probe, [affinity], [peering] τ."""
+        [queue] order, [probes] interval and early re-probe, [affinity], [peering] τ and policy."""
         from lb.daemon.config import load
-        cfg = load(path)
+        return cls.of(load(path), **overrides)
+
+    @classmethod
+    def of(cls, cfg: Config, **overrides) -> "LBConfig":
+        """The scheduler-facing settings of a loaded daemon config."""
         return cls(**{**dict(
             policy=cfg.routing.policy, policy_options=dict(cfg.routing.options), pushing=cfg.pushing.mode,
             queue=cfg.queue.order, probe_interval_s=cfg.probes.interval_s, early_reprobe_s=cfg.probes.early_reprobe_s,
             max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
-            max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, affinity=cfg.affinity), **overrides})
+            max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
+            affinity=cfg.affinity), **overrides})
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(pushing=self.pushing, max_outstanding=self.max_outstanding,
@@ -270,17 +282,28 @@ class SimLB:
         self.policy = make_policy(cfg.policy, seed=seed, **cfg.policy_options)
         service = WeightedService(cfg.wsc) if cfg.wsc is not None else None
         self.scheduler = Scheduler(cfg.scheduler_config(), self.policy, make_queue(cfg.queue, service=service, tiers=cfg.tiers))
-        self.peer_router = PeerRouter("nearest", seed=seed)
+        self.peer_router = PeerRouter(cfg.peer_policy, seed=seed)
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}
         self.by_model: dict[str, dict[str, SimReplica]] = {}  # model → its replicas here
         self.models_served = 1  # how many models the world has (set by the Simulation)
-        self.peers: list[tuple[float, SimLB]] = []  # (one-way latency, peer), nearest first
+        self._peers: list[tuple[float, SimLB]] = []
         self._seq = 0
         self._tick_scheduled = False
         self._last_refresh_tick = -math.inf
         self.in_flight = 0  # forwarded to us by peers, not arrived yet
         self.on_done = on_done
+
+    @property
+    def peers(self) -> list[tuple[float, "SimLB"]]:
+        """(one-way latency, peer LB), nearest first."""
+        return self._peers
+
+    @peers.setter
+    def peers(self, peers: list[tuple[float, "SimLB"]]) -> None:
+        self._peers = peers
+        for _, peer in peers:  # as lb.daemon.peers registers each configured peer's region
+            self.peer_router.register(peer.region)
 
     @property
     def queue(self):

@@ -3,6 +3,7 @@ tenants there too, so a fair order changes who is served in virtual time."""
 from __future__ import annotations
 
 import pytest
+from dataclasses import replace
 
 from bench.sim.world import Simulation, parse_config
 from lb.core.scheduler import Scheduler
@@ -67,3 +68,34 @@ def test_the_simulator_reads_the_daemons_config_file(tmp_path):
     path.write_text('[pushing]\nmod = "blind"\n')
     with pytest.raises(ConfigError, match="pushing.mod"):  # the daemon's own message, naming the key
         parse_config({"models": [{"name": "m"}], "lb": {"config": str(path)}})
+
+
+def test_a_scenario_without_overrides_runs_the_daemons_default_config():
+    """The simulator's defaults are the daemon's, field by field (one source: lb.daemon.config)."""
+    from lb.core.fairness import FairnessConfig, WeightedService
+    from lb.core.tiers import TierConfig
+    from lb.daemon.config import Config
+    from lb.daemon.dispatch import scheduler_config
+
+    daemon = Config()
+    cfg = parse_config({"models": [{"name": "m"}], "arrivals": {"kind": "external"}}).lb
+    assert cfg.policy == daemon.routing.policy == "prefix-trie"
+    assert cfg.policy_options == daemon.routing.options
+    assert cfg.pushing == daemon.pushing.mode
+    assert cfg.max_outstanding == daemon.pushing.max_outstanding
+    assert cfg.push_credit == daemon.pushing.push_credit
+    assert cfg.max_unseen == daemon.pushing.max_unseen
+    assert cfg.queue == daemon.queue.order
+    assert cfg.probe_interval_s == daemon.probes.interval_s
+    assert cfg.early_reprobe_s == daemon.probes.early_reprobe_s
+    assert cfg.peer_queue_tau == daemon.peering.tau
+    assert cfg.peer_policy == daemon.peering.policy
+    assert cfg.affinity == daemon.affinity
+    # the scheduler the simulator builds is configured as the daemon's, bar the queue bound
+    # (virtual clients are never refused: the simulator's queue is unbounded)
+    sim_lb = Simulation(parse_config({"models": [{"name": "m"}], "arrivals": {"kind": "external"}})).lbs["local"]
+    assert sim_lb.scheduler.cfg == replace(scheduler_config(daemon), max_queue=sim_lb.scheduler.cfg.max_queue)
+    assert sim_lb.policy.name == daemon.routing.policy and sim_lb.peer_router.name == daemon.peering.policy
+    # WSC and tier settings left unset mean the order's defaults, which are the daemon's
+    assert WeightedService().cfg == FairnessConfig().wsc == daemon.fairness.wsc
+    assert TierConfig() == daemon.tiers
