@@ -26,6 +26,8 @@ from typing import Callable, Protocol, Sequence
 
 import mmh3
 
+from lb.core.prefix import known_depth
+
 
 @dataclass(slots=True)
 class PeerRequest:
@@ -133,16 +135,9 @@ class ApproxTree:
         self.size.setdefault(tenant, 0)
 
     def match(self, chain: list[int]) -> tuple[int, _Node | None]:
-        """Blocks matched and the deepest matched node (binary search: the chain is prefix-closed)."""
-        nodes = self.nodes
-        lo, hi = 0, len(chain)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if chain[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, (nodes[chain[lo - 1]] if lo else None)
+        """Blocks matched and the deepest matched node (the chain is prefix-closed)."""
+        lo = known_depth(chain, self.nodes)
+        return lo, (self.nodes[chain[lo - 1]] if lo else None)
 
     def insert(self, chain: list[int], tenant: str, now: float) -> None:
         self.add_tenant(tenant)

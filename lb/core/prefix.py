@@ -21,7 +21,7 @@ oldest-first eviction of a node O(1) instead of O(depth) to rebuild its key path
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Collection
+from typing import Collection, Sequence
 
 import mmh3
 
@@ -56,6 +56,19 @@ def request_chain(req: RequestFacts, block_chars: int = DEFAULT_BLOCK_CHARS, iso
     if chain is None:
         chain = req.extra[key] = block_hashes(req.prompt, block_chars, salt)
     return chain
+
+
+def known_depth(chain: Sequence, nodes: Collection) -> int:
+    """How many leading blocks of `chain` are in `nodes`, by binary search: a trie holding a
+    block holds every block before it, so membership is prefix-closed."""
+    lo, hi = 0, len(chain)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] in nodes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefixTrie:
@@ -114,15 +127,7 @@ class PrefixTrie:
 
     def _known_depth(self, chain: Chain) -> int:
         """How many leading blocks of `chain` are nodes already."""
-        nodes = self._nodes
-        lo, hi = 0, len(chain)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if chain[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return known_depth(chain, self._nodes)
 
     def insert(self, chain: Chain, target: str, now: float) -> None:
         """Record that `target` now holds every prefix of `chain`; evict oldest past the bound.
