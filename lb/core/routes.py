@@ -115,32 +115,41 @@ def multipart_field(buf: bytes, boundary: bytes, name: bytes) -> tuple[bool, str
     return (True, None) if last.startswith(b"--") else (False, None)
 
 
-def combine(route: str, answers: Sequence[tuple[str, int, object]]) -> tuple[int, dict]:
+@dataclass(frozen=True)
+class FanoutFailure:
+    """A FANOUT call with no answer to pass on: why (`code`, `message`, `param`), the worst
+    replica status when one answered with an error (None when none did), every replica's answer.
+    HTTP-free: the daemon turns it into a response (lb.daemon.surface)."""
+    code: str
+    message: str
+    param: str | None = None
+    replica_status: int | None = None
+    replicas: tuple = ()
+
+
+def combine(route: str, answers: Sequence[tuple[str, int, object]]) -> tuple[int, dict] | FanoutFailure:
     """One answer from every replica's (id, HTTP status or 0 when unreachable, parsed body or
-    text) for a FANOUT route. A stored response's (`response`, `response_cancel`) is the answer
-    of the replica that has it. `model_info`/`server_info` keep the first good answer's shape,
-    so a client reading e.g. `model_path` works as against one engine; every replica's answer
-    is under `lb_replicas`. `flush_cache` succeeds only when every replica flushed."""
+    text) for a FANOUT route: a replica's own (status, body) passed on, or a FanoutFailure. A
+    stored response's (`response`, `response_cancel`) is the answer of the replica that has it.
+    `model_info`/`server_info` keep the first good answer's shape, so a client reading e.g.
+    `model_path` works as against one engine; every replica's answer is under `lb_replicas`.
+    `flush_cache` succeeds only when every replica flushed."""
     per = [{"id": rid, "status": status, "body": body} for rid, status, body in answers]
     ok = [a for a in per if 200 <= a["status"] < 300]
     failed = [a for a in per if a not in ok]
     if route == "flush_cache":
-        doc = {"flushed": len(ok), "failed": len(failed), "lb_replicas": per}
         if not failed:
-            return 200, {"message": f"Cache flushed on {len(ok)} replicas.", **doc}
-        worst = max((a["status"] for a in failed), default=502) or 502
-        return worst, {"error": {"message": f"cache not flushed on {len(failed)} of {len(per)} replicas: "
-                                            + ", ".join(f"{a['id']} ({a['status'] or 'unreachable'})" for a in failed),
-                                 "type": "invalid_request_error" if worst < 500 else "server_error",
-                                 "param": None, "code": "flush_failed"}, **doc}
+            return 200, {"message": f"Cache flushed on {len(ok)} replicas.", "flushed": len(ok), "failed": 0,
+                         "lb_replicas": per}
+        return FanoutFailure("flush_failed", f"cache not flushed on {len(failed)} of {len(per)} replicas: "
+                             + ", ".join(f"{a['id']} ({a['status'] or 'unreachable'})" for a in failed),
+                             replica_status=max(a["status"] for a in failed) or None, replicas=tuple(per))
     if route in ("response", "response_cancel"):  # the owner's answer as it is, success or its error
         owner = ok or [a for a in failed if a["status"] not in (0, 404)]
         if owner:
             return owner[0]["status"], owner[0]["body"]
-        return 404, {"error": {"message": "no replica has this response", "type": "invalid_request_error",
-                               "param": "response_id", "code": "response_not_found"}}
+        return FanoutFailure("response_not_found", "no replica has this response", param="response_id")
     if not ok:
-        return 502, {"error": {"message": "no replica answered " + route, "type": "server_error", "param": None,
-                               "code": "upstream_unavailable"}, "lb_replicas": per}
+        return FanoutFailure("upstream_unavailable", "no replica answered " + route, replicas=tuple(per))
     first = ok[0]["body"]
     return 200, {**(first if isinstance(first, dict) else {"answer": first}), "lb_replicas": per}

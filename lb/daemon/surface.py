@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from lb.core.facts import H_REQUEST_ID
-from lb.core.routes import FANOUT, NONE, ROUTES, Route, combine, multipart_field
+from lb.core.routes import FANOUT, NONE, ROUTES, FanoutFailure, Route, combine, multipart_field
 from lb.daemon.config import NEVER_FORWARDED, Config
 from lb.daemon.errors import LBError, error_body
 
@@ -179,7 +179,14 @@ async def fanout(request: web.Request, route: Route, registry, cfg: Config, rid:
         except orjson.JSONDecodeError:
             return rep.id, status, raw.decode("utf-8", "replace").strip()[:2000]
 
-    status, doc = combine(route.name, await asyncio.gather(*(one(r) for r in reps)))
+    outcome = combine(route.name, await asyncio.gather(*(one(r) for r in reps)))
+    if isinstance(outcome, FanoutFailure):
+        status = outcome.replica_status or (404 if outcome.code == "response_not_found" else 502)
+        doc = orjson.loads(error_body(outcome.message, status, param=outcome.param, code=outcome.code))
+        if outcome.replicas:
+            doc["lb_replicas"] = list(outcome.replicas)
+    else:
+        status, doc = outcome
     return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
 
 

@@ -61,14 +61,15 @@ def test_direct_target_least_busy_untried_eligible():
 def test_combine_keeps_the_engine_shape_and_flush_needs_every_replica():
     status, doc = combine("model_info", [("r1", 200, {"model_path": "p"}), ("r2", 0, "ConnectionError")])
     assert status == 200 and doc["model_path"] == "p" and [r["id"] for r in doc["lb_replicas"]] == ["r1", "r2"]
-    assert combine("server_info", [("r1", 0, "down")])[0] == 502
+    down = combine("server_info", [("r1", 0, "down")])
+    assert down.code == "upstream_unavailable" and down.replica_status is None and down.replicas[0]["id"] == "r1"
     assert combine("flush_cache", [("r1", 200, "ok"), ("r2", 200, "ok")])[1]["flushed"] == 2
-    status, doc = combine("flush_cache", [("r1", 200, "ok"), ("r2", 400, "Cache not flushed")])
-    assert status == 400 and doc["error"]["code"] == "flush_failed" and "r2 (400)" in doc["error"]["message"]
+    failed = combine("flush_cache", [("r1", 200, "ok"), ("r2", 400, "Cache not flushed")])
+    assert failed.replica_status == 400 and failed.code == "flush_failed" and "r2 (400)" in failed.message
 
 
 def test_a_stored_response_is_its_owners_answer():
     assert combine("response", [("r1", 404, {}), ("r2", 200, {"id": "resp_1"})]) == (200, {"id": "resp_1"})
     assert combine("response_cancel", [("r1", 404, {}), ("r2", 400, {"error": "no"})]) == (400, {"error": "no"})
-    status, doc = combine("response", [("r1", 404, {}), ("r2", 0, "down")])
-    assert status == 404 and doc["error"]["code"] == "response_not_found"
+    missing = combine("response", [("r1", 404, {}), ("r2", 0, "down")])
+    assert missing.code == "response_not_found" and missing.param == "response_id"
