@@ -40,7 +40,7 @@ class Workload:
     fleet: FleetSpec
     kind: str  # "programs" | "replay"
     duration_s: float = 300.0
-    quick_duration_s: float = 60.0
+    quick_duration_s: float = 150.0
     program: dict = field(default_factory=dict)  # programs: bench.workloads name + params
     requests_per_program: float = 1.0
     calls: Callable[[int], Iterator[Timed]] | None = None  # replay: seed -> unscaled timed calls

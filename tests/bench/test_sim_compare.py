@@ -74,6 +74,7 @@ def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, "LB_VARIANTS", {"lb": {}})
     monkeypatch.setattr(compare, "PEERS", {k: v for k, v in compare.PEERS.items() if k == "nginx least_conn"})
     monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "quick_duration_s", 15.0)
+    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)  # capacity is measured over it
     args = compare.argparse.Namespace(workload="tot", seeds=2, quick=True, out=str(tmp_path), load=0.9,
                                       sweep=False, list=False, workers=1)
     assert compare.run(args) == 0
