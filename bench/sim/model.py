@@ -302,7 +302,7 @@ class SimLB:
     @peers.setter
     def peers(self, peers: list[tuple[float, "SimLB"]]) -> None:
         self._peers = peers
-        for _, peer in peers:  # as lb.daemon.peers registers each configured peer's region
+        for _, peer in peers:  # as lb.daemon.peer_links registers each configured peer's region
             self.peer_router.register(peer.region)
 
     @property

@@ -9,7 +9,7 @@ with no promotion of expired requests: tau_p infinite). Each seed replays its ow
 scaled so the offered rate is a share of the engine's capacity (measured in the simulator:
 requests/s it completes when saturated). Two loads: 0.9 (near capacity, the live scenario's
 regime) and 1.2 (above capacity, SageServe's regime). NIW batch work is not part of it: it waits in the daemon's deferred queue
-(lb/daemon/admission_gate.py), which the simulator does not model.
+(lb/daemon/gate.py), which the simulator does not model.
 
 Columns beyond the proving ground's schema: per tier the SLO violation rate (TTFT over
 target, or not answered by the end of the run) and Q3 TTFT.

@@ -78,7 +78,7 @@ def estimate(facts: RequestFacts, load: RegionLoad, output_tokens: float, cfg: A
 
 
 # Why a request is rejected: no replica can serve it at all, or none in time for any tier
-# (the daemon answers the first 503, the second 429; lb/daemon/admission_gate.py).
+# (the daemon answers the first 503, the second 429; lb/daemon/gate.py).
 NO_CAPACITY = "no-capacity"
 TTFT_INFEASIBLE = "ttft-infeasible"
 

@@ -23,7 +23,7 @@ from lb.core.policies import make_policy
 from lb.core.urls import denied, parse_deny
 from lb.daemon import config as config_mod
 from lb.daemon.capacity import Capacity
-from lb.daemon.admission_gate import add_response_headers
+from lb.daemon.gate import add_response_headers
 from lb.daemon.config import Config, ConfigError, ReplicaConfig
 from lb.daemon.discovery import Discovery
 from lb.daemon.dispatch import Dispatcher
@@ -32,7 +32,7 @@ from lb.daemon.fairness import TenantCollector
 from lb.daemon.instances import SharedPushes
 from lb.daemon.jobs import add_routes as add_job_routes
 from lb.daemon.metrics import Metrics
-from lb.daemon.peers import STATUS_PATH as PEER_STATUS_PATH, Peers
+from lb.daemon.peer_links import STATUS_PATH as PEER_STATUS_PATH, Peers
 from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
@@ -66,7 +66,7 @@ class LB:
         self.capacity = Capacity(cfg.scaling, self.registry, self.dispatcher, self.metrics.registry,  # issue 6
                                  deferred=lambda: self.proxy.gate.deferred)
         self.peers = Peers(cfg, self.registry, self.dispatcher, self.metrics)  # cross-region (issue 4)
-        self.proxy.peering = self.peers
+        self.proxy.peer_links = self.peers
         self.discovery = Discovery(cfg.discovery, self.registry)  # Kubernetes / DNS replica sources
         self.metrics.registry.register(self.discovery)  # lb_discovery_*
         shared = cfg.state.get("backend") == "redis" and cfg.state.get("share_pushes", True)

@@ -50,7 +50,7 @@ class Dispatcher:
         self.on_progress: list[Callable] = []
         self.on_complete: list[Callable] = []
         self.on_complete.append(self._served)  # the policy learns each replica's rates from its answers
-        # Cross-region peering (lb/daemon/peers.py): offered what no local replica can take.
+        # Cross-region peering (lb/daemon/peer_links.py): offered what no local replica can take.
         self.overflow = None
         registry.on_change(self.wake)
         registry.on_add(lambda rep: self.scheduler.register(rep.id))

@@ -27,11 +27,11 @@ from lb.core.health import RETRYABLE_STATUSES, backoff_delay
 from lb.core.loadparse import usage_from_tail
 from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, direct_target
 from lb.core.types import ReplicaView, RequestFacts
-from lb.daemon.admission_gate import Gate
+from lb.daemon.gate import Gate
 from lb.daemon.config import Config
 from lb.daemon.dispatch import DIRECT_CHOICE, Dispatcher
 from lb.daemon.errors import LBError, normalize_upstream_error, sse_error_event
-from lb.daemon.coalescing import Coalescing, Flight
+from lb.daemon.flights import Flight, SharedFlights
 from lb.daemon.hung import Attempt, HungWatch
 from lb.daemon.jobs import Jobs
 from lb.daemon.registry import Registry, Replica
@@ -149,10 +149,10 @@ class Proxy:
         self.draining = False
         self._cut: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
-        self.peering = None  # lb/daemon/peers.py: peer auth, forwarding headers, forward outcomes
+        self.peer_links = None  # lb/daemon/peer_links.py: peer auth, forwarding headers, forward outcomes
         self.gate = Gate(cfg, registry, dispatcher, metrics)  # admission, NIW hold, priority
         self.jobs = Jobs(cfg, self, metrics)  # durable batch jobs (x-lb-durable, /v1/lb/jobs)
-        self.coalescing = Coalescing(cfg.coalesce, metrics)  # identical temperature-0 requests share one
+        self.flights = SharedFlights(cfg.coalesce, metrics)  # identical temperature-0 requests share one
         self.hung = HungWatch(cfg, registry, metrics)  # requests a replica holds while its probes show it idle
         self.access_log = AccessLog() if cfg.server.access_log else None
         self.tracing = make_tracing(cfg)  # OpenTelemetry spans, or empty hooks when off (lb.daemon.tracing)
@@ -253,13 +253,13 @@ class Proxy:
             facts = build_facts(route.name, doc, request.headers, rid, t0)
         except BadRequest as e:
             raise LBError(400, str(e), code="invalid_request", param=e.param)
-        if self.peering is not None:  # 401 for a bad peer signature; hops=1 for a peer's forward
-            facts = self.peering.inbound(request, facts, body)
+        if self.peer_links is not None:  # 401 for a bad peer signature; hops=1 for a peer's forward
+            facts = self.peer_links.inbound(request, facts, body)
         fairness = self.dispatcher.fairness
         facts = fairness.identify(request.headers, doc, facts)  # 400/401 on bad identity
         out.model, out.stream, out.user = facts.model, facts.stream, facts.user
         accepts = route.accepts
-        peers_serve = self.peering is not None and self.peering.serves(facts, accepts)
+        peers_serve = self.peer_links is not None and self.peer_links.serves(facts, accepts)
         if facts.model and not self.registry.knows_model(facts.model) and not peers_serve:
             raise LBError(404, f"The model `{facts.model}` does not exist; GET /v1/models lists the served ones",
                           code="model_not_found", param="model")
@@ -273,8 +273,8 @@ class Proxy:
             return await self.jobs.accept(request, request.path, doc, facts)
         if route.dispatch != DIRECT:  # a tokenize call is not judged against an SLO
             facts = await self.gate.admit(request, facts, doc)  # 429/503 early, degrade, NIW held
-        if self.coalescing.enabled and route.body == JSON:
-            return await self.coalescing.serve(
+        if self.flights.enabled and route.body == JSON:
+            return await self.flights.serve(
                 request, route.name, doc, facts.user, rid, out, lambda: Outcome(request_id=rid, route=route.name),
                 lambda req, o: self._forward(req, route, body, doc, facts, accepts, rid, t0, o),
                 _send, lambda: asyncio.current_task() in self._cut)
@@ -343,8 +343,8 @@ class Proxy:
                     out.e2e_s = time.monotonic() - t0  # so far (the final figure is set when the answer ends)
                     for fn in self.dispatcher.on_complete:  # capacity: forecast, length model, anticipator
                         fn(facts, rep, out, time.monotonic())
-            if rep.view.engine == "peer" and self.peering is not None:
-                self.peering.forward_failed(rep, retry_reason)  # not chosen again until its status is good
+            if rep.view.engine == "peer" and self.peer_links is not None:
+                self.peer_links.forward_failed(rep, retry_reason)  # not chosen again until its status is good
             if isinstance(body, MultipartBody) and (body.error or not body.replayable):
                 raise body.error or LBError(502, f"upstream {rep.id} failed while the upload streamed to it "
                                                  f"({retry_reason}); a streamed upload cannot be replayed",
@@ -382,8 +382,8 @@ class Proxy:
             data = body.payload()
         else:
             data = body or None
-        if rep.view.engine == "peer" and self.peering is not None:  # signed, hop-marked, identity carried
-            headers = self.peering.outbound_headers(headers, request.method, path, body)
+        if rep.view.engine == "peer" and self.peer_links is not None:  # signed, hop-marked, identity carried
+            headers = self.peer_links.outbound_headers(headers, request.method, path, body)
         try:
             # Engines send a stream's headers at once; a replica silent this long is stuck.
             async with asyncio.timeout(self.cfg.upstream.first_byte_timeout_s if stream else None) as deadline:
@@ -579,8 +579,8 @@ class Proxy:
 
     def _account(self, out: Outcome) -> None:
         m = self.metrics
-        if self.peering is not None:
-            self.peering.account(out)
+        if self.peer_links is not None:
+            self.peer_links.account(out)
         target = m.target(out.target) if out.target else "none"
         m.requests.labels(out.route, m.model(out.model, self.registry.lists_model), str(out.status),
                           self.dispatcher.policy.name, target).inc()

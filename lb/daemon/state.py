@@ -145,7 +145,7 @@ def make_store(cfg: dict | None) -> StateStore:
     cfg = dict(cfg or {})
     backend = cfg.pop("backend", "memory")
     ttl = float(cfg.pop("counter_ttl_s", 86400.0))
-    cfg.pop("sync_interval_s", None)  # how often service counters meet the store (admission_gate)
+    cfg.pop("sync_interval_s", None)  # how often service counters meet the store (lb.daemon.gate)
     cfg.pop("share_pushes", None)  # pushes told to the other instances (lb.daemon.instances)
     if backend == "memory":
         if cfg:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lb.daemon.peers import STATUS_PATH, auth_headers
+from lb.daemon.peer_links import STATUS_PATH, auth_headers
 from tests.daemon.conftest import http_json, needs_emulator, start_emulator
 from tests.procs import Proc, free_port, lb, metric, poll
 

@@ -127,7 +127,7 @@ class Flight(dict):
         return client
 
 
-class Coalescing:
+class SharedFlights:
     def __init__(self, cfg: dict, metrics):
         self.coalescer: Coalescer[Flight] = Coalescer(bool(cfg.get("enabled", False)))
         r = metrics.registry
