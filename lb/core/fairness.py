@@ -56,7 +56,7 @@ VTC_CONFIG = WscConfig(alpha=1, beta=1, gamma=1, weighted=False, half_life_s=0.0
 
 @dataclass(frozen=True)
 class FairnessConfig:
-    throttle: str = "none"  # none | oit | rpm
+    throttle: str = "oit"  # none | oit | rpm; OIT limits only with user_rpm/app_rpm set, only while overloaded
     window_s: float = 60.0
     user_rpm: int = 0  # 0: no per-user limit
     app_rpm: int = 0

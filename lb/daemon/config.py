@@ -128,7 +128,7 @@ class PushingConfig:
 
 @dataclass(frozen=True)
 class QueueConfig:
-    order: str = "fcfs"
+    order: str = "wsc"  # FairServe WSC: one tenant alone is served in arrival order (docs/fairness.md)
     max_len: int = 4096  # beyond this: 429
     timeout_s: float = 300.0  # longest wait in the LB queue before 503
     retry_after_s: int = 1
