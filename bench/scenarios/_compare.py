@@ -25,6 +25,12 @@ from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
 from bench.systems import DIRECT, System, lb, nginx, sglang_router, start, start_regional, unavailable, vllm_router
 
 SAMPLE_EVERY_S = 0.25
+# Each system runs this many times, the rounds interleaved (A B C, A B C, ...), so drift on a
+# shared machine hits every system alike; figures are the median with the range.
+DEFAULT_REPEATS = 3
+# Other work than the run's own processes above this many cores during a run: say so.
+FOREIGN_CORES_WARN = 0.3
+REPEATED = (("throughput_rps",), ("ttft_s", "p50"), ("ttft_s", "p90"), ("e2e_s", "p50"))
 PAPER_REGIONS = ("us", "eu", "asia")
 # SkyWalker's inter-region one-way latencies (as in scenario regional-skew), before time compression
 PAPER_LATENCY_MS = {"us-eu": 40, "us-asia": 80, "eu-asia": 90}
@@ -80,6 +86,7 @@ class Compare:
     central: str = "us"
     region_params: dict[str, dict] = field(default_factory=dict)  # per-region workload params
     quick: bool = False
+    repeats: int = 1  # interleaved runs per system (lb-bench scenario compare-* --repeats N)
     notes: list[str] = field(default_factory=list)
     paper: list[str] = field(default_factory=list)  # the seed papers' headline numbers
     derived_notes: Callable[[dict[str, dict]], list[str]] | None = None  # variants → measured headline notes
@@ -206,49 +213,125 @@ async def _single(c: Compare, targets: list[str]) -> dict:
     return result
 
 
+def _figure(result: dict, path: tuple[str, ...]) -> float | None:
+    x = result
+    for k in path:
+        x = x.get(k) if isinstance(x, dict) else None
+    return x if isinstance(x, (int, float)) else None
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One system's repeated runs as one variant: the run with the median throughput (its
+    TTFT CDF is what the plot shows), with throughput, TTFT p50/p90 and E2E p50 replaced by
+    the medians over the runs, and `repeats` holding each figure's median, min and max and
+    every run's figures (so ratios to other systems are ratios of medians)."""
+    ranked = sorted(runs, key=lambda r: r.get("throughput_rps") or 0.0)
+    out = json.loads(json.dumps(ranked[(len(ranked) - 1) // 2]))  # a copy
+    figures = {}
+    for path in REPEATED:
+        values = [_figure(r, path) for r in runs]
+        known = [v for v in values if v is not None]
+        figures[".".join(path)] = {"median": _median(known), "min": min(known, default=None),
+                                   "max": max(known, default=None), "runs": values}
+        target = out
+        for k in path[:-1]:
+            target = target.setdefault(k, {})
+        target[path[-1]] = _median(known)
+    out["repeats"] = {"runs": len(runs), "figures": figures,
+                      "foreign_cores": [r["machine"].get("foreign_cores") for r in runs]}
+    return out
+
+
+def foreign_cores(machine: dict) -> float:
+    """Cores busy with work outside the run's own processes (fleet, LBs, clients)."""
+    return round(max(0.0, machine.get("host_cores_busy", 0.0) - machine.get("cores_used", 0.0)), 3)
+
+
+def with_repeats(c: Compare, repeats: int | None) -> Compare:
+    """`--repeats N`; unset: DEFAULT_REPEATS for a full run, 1 for a --quick smoke run."""
+    n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
+    if n < 1:
+        raise SystemExit("--repeats must be >= 1")
+    c.repeats = n
+    return c
+
+
 def run_compare(c: Compare, out_dir: Path) -> dict:
-    """Every system of `c` in turn; writes report.md and plots; returns the scenario summary."""
-    variants: dict[str, dict] = {}
+    """Every system of `c`, `c.repeats` interleaved rounds; writes report.md and plots;
+    returns the scenario summary."""
+    runs: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     warnings: list[str] = []
-    for system in c.systems:
-        reason = unavailable(system)
-        if reason:
-            skipped[system.name] = reason
-            print(f"[{system.name}] skipped: {reason}", flush=True)
-            continue
-        log_dir = out_dir / "logs" / _slug(system.name)
-        print(f"[{system.name}] running {c.duration_s:g} s …", flush=True)
-        try:
-            result = measure(c, system, log_dir)
-        except Exception as e:  # one system failing to start must not hide the others
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            skipped[system.name] = f"failed: {first} (logs: {log_dir})"
-            print(f"[{system.name}] {skipped[system.name]}", flush=True)
-            continue
-        variants[system.name] = result
-        warning = saturation_warning(result["machine"], f"[{system.name}] ")
-        if warning:
-            warnings.append(warning)
-        m = result["machine"]
-        if m["host_cores_busy"] >= SATURATION * m["cores"] and m["host_cores_busy"] > m["cores_used"] + 0.25:
-            warnings.append(f"[{system.name}] the machine was {m['host_cores_busy']:.2f} of {m['cores']} cores busy, "
-                            f"{m['host_cores_busy'] - m['cores_used']:.2f} of them with work outside this scenario: "
-                            "its numbers carry that noise")
-        ttft = result.get("ttft_s") or {}
-        print(f"[{system.name}] {result['ok']} ok, {result['errors']} errors, {result['throughput_rps']:.2f} req/s, "
-              f"TTFT p50 {ttft.get('p50')} p90 {ttft.get('p90')}, imbalance {result['load']['imbalance']}", flush=True)
-    summary = {"title": c.title, "command": f"lb-bench scenario {c.scenario}{' --quick' if c.quick else ''} --out {out_dir}",
+    rounds = max(1, c.repeats)
+    for k in range(rounds):
+        for system in c.systems:
+            if system.name in skipped:
+                continue
+            reason = unavailable(system)
+            if reason:
+                skipped[system.name] = reason
+                print(f"[{system.name}] skipped: {reason}", flush=True)
+                continue
+            log_dir = out_dir / "logs" / _slug(system.name) / (f"run-{k + 1}" if rounds > 1 else "")
+            print(f"[{system.name}] run {k + 1}/{rounds}: {c.duration_s:g} s …", flush=True)
+            try:
+                result = measure(c, system, log_dir)
+            except Exception as e:  # one system failing to start must not hide the others
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                skipped[system.name] = f"failed: {first} (logs: {log_dir})"
+                runs.pop(system.name, None)
+                print(f"[{system.name}] {skipped[system.name]}", flush=True)
+                continue
+            m = result["machine"]
+            m["foreign_cores"] = foreign_cores(m)
+            runs.setdefault(system.name, []).append(result)
+            warning = saturation_warning(m, f"[{system.name} run {k + 1}] ")
+            if warning:
+                warnings.append(warning)
+            if m["foreign_cores"] > FOREIGN_CORES_WARN:
+                warnings.append(f"[{system.name} run {k + 1}] other work took {m['foreign_cores']:.2f} cores "
+                                f"(> {FOREIGN_CORES_WARN}) while it ran (the machine {m['host_cores_busy']:.2f} of "
+                                f"{m['cores']} busy): its numbers carry that noise")
+            ttft = result.get("ttft_s") or {}
+            print(f"[{system.name}] {result['ok']} ok, {result['errors']} errors, {result['throughput_rps']:.2f} req/s, "
+                  f"TTFT p50 {ttft.get('p50')} p90 {ttft.get('p90')}, imbalance {result['load']['imbalance']}, "
+                  f"foreign cores {m['foreign_cores']:.2f}", flush=True)
+    variants = {name: combine_runs(rs) for name, rs in runs.items()}
+    notes = list(c.notes)
+    if rounds > 1:
+        notes.append(f"each system ran {rounds} times, rounds interleaved; figures are medians over the runs "
+                     f"(ratios are ratios of medians), ranges below; the TTFT CDF is each system's median-throughput run")
+        for name, v in variants.items():
+            f = v["repeats"]["figures"]
+            thr, p90 = f["throughput_rps"], f["ttft_s.p90"]
+            notes.append(f"{name}: throughput {_fmt(thr)} req/s, TTFT p90 {_fmt(p90, 1000)} ms "
+                         f"(median [min, max] of {len(f['throughput_rps']['runs'])})")
+    summary = {"title": c.title,
+               "command": f"lb-bench scenario {c.scenario}{' --quick' if c.quick else ''} --repeats {rounds} --out {out_dir}",
                "baseline": next((n for n in variants if variants[n]["system"]["family"] == "lb"),
                                                    next(iter(variants), None)),
                "variants": variants, "skipped": skipped, "warnings": warnings,
-               "notes": list(c.notes) + (c.derived_notes(variants) if c.derived_notes else []), "paper": list(c.paper), "setup": setup(c)}
+               "notes": notes + (c.derived_notes(variants) if c.derived_notes else []), "paper": list(c.paper), "setup": setup(c)}
     if variants:
         report.plot_ttft_cdfs(variants, out_dir / "ttft_cdf.png")
         report.plot_throughput(variants, out_dir / "throughput.png")
     (out_dir / "report.md").write_text(report_md.scenario_markdown(summary, plots={"TTFT CDF": "ttft_cdf.png",
                                                                                    "throughput": "throughput.png"}))
     return summary
+
+
+def _fmt(fig: dict, scale: float = 1.0) -> str:
+    if fig["median"] is None:
+        return "-"
+    return f"{fig['median'] * scale:.2f} [{fig['min'] * scale:.2f}, {fig['max'] * scale:.2f}]"
 
 
 def setup(c: Compare) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems
+from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_repeats
 
 DESCRIPTION = "Mixed Tree in one region: two 4-branch + six 2-branch ToT clients, lb vs routers, 4 replicas"
 CLIENTS = 8
@@ -29,5 +29,5 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool) -> dict:
-    return run_compare(compare(quick), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats), out_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems
+from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_repeats
 
 DESCRIPTION = "Mooncake trace replay (prefix blocks kept, contexts clipped), lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -30,5 +30,5 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool) -> dict:
-    return run_compare(compare(quick), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats), out_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_repeats
 
 DESCRIPTION = "multi-turn, 3 regions (20 clients each): lb per region vs SGLang/vLLM router, nginx, direct in us"
 PAPER_CLIENTS = 80  # per region
@@ -35,5 +35,5 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool) -> dict:
-    return run_compare(compare(quick), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats), out_dir)

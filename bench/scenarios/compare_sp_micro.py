@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare
+from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare, with_repeats
 from bench.scenarios.sp_micro import CLIENTS, SP_O_MAX_OUTSTANDING
 from bench.systems import lb
 
@@ -41,5 +41,5 @@ def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
             f"{p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}"]
 
 
-def run(out_dir: Path, quick: bool) -> dict:
-    return run_compare(compare(quick), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats), out_dir)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_repeats
 
 DESCRIPTION = "Tree of Thoughts, 3 regions (20/10/10 clients, 2-branch): lb per region vs routers in us"
 PAPER_CLIENTS = {"us": 40, "eu": 20, "asia": 20}
@@ -34,5 +34,5 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool) -> dict:
-    return run_compare(compare(quick), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats), out_dir)

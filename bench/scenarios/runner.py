@@ -55,6 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="shrink to about a minute (smoke run)")
     parser.add_argument("--out", type=Path, help="output folder (default out/<name>)")
     parser.add_argument("--list", action="store_true", help="list scenarios with one line each")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help="compare-* scenarios: runs per system, interleaved (default 3; --quick 1)")
     parser.add_argument("--duration", type=float, metavar="S", help="run time in seconds, for scenarios that take one (chaos)")
 
 
@@ -102,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --duration", file=sys.stderr)
             return 2
         extra["duration"] = args.duration
+    if getattr(args, "repeats", None) is not None:
+        if "repeats" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --repeats", file=sys.stderr)
+            return 2
+        extra["repeats"] = args.repeats
     summary = module.run(out_dir, args.quick, **extra)
     summary = {"scenario": args.name, **{k: v for k, v in summary.items() if k != "scenario"}}
     report.write_summary(out_dir / "summary.json", summary)

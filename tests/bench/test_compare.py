@@ -72,3 +72,29 @@ def test_nginx_config_hashes_on_the_session_header_and_rejects_unknown_policies(
     assert "server 127.0.0.1:1 max_fails=0;" in text and "proxy_buffering off;" in text
     with pytest.raises(ValueError):
         nginx_config(tmp_path, 8080, ["http://127.0.0.1:1"], "random")
+
+
+def test_repeats_interleave_rounds_and_report_medians_with_ranges(tmp_path, capsys):
+    from bench.scenarios._compare import FOREIGN_CORES_WARN
+
+    systems = [lb(), DIRECT]
+    c = tiny(systems, repeats=2)
+    c.duration_s = 2.0
+    summary = run_compare(c, tmp_path)
+    check_summary(summary, systems)
+    started = [line.split("]")[0].strip("[") + line.split("run ")[1][:3]
+               for line in capsys.readouterr().out.splitlines() if "]: run" not in line and " run " in line and " …" in line]
+    assert started == [f"{lb().name}1/2", f"{DIRECT.name}1/2", f"{lb().name}2/2", f"{DIRECT.name}2/2"]  # A B, A B
+    for name, v in summary["variants"].items():
+        rep = v["repeats"]
+        assert rep["runs"] == 2 and len(rep["foreign_cores"]) == 2
+        thr = rep["figures"]["throughput_rps"]
+        assert len(thr["runs"]) == 2 and thr["min"] <= thr["median"] <= thr["max"]
+        assert v["throughput_rps"] == thr["median"]  # ratios between systems are ratios of medians
+        p90 = rep["figures"]["ttft_s.p90"]
+        assert v["ttft_s"]["p90"] == p90["median"]
+        busy = [f for f in rep["foreign_cores"] if f > FOREIGN_CORES_WARN]
+        assert len([w for w in summary["warnings"] if name in w and "other work took" in w]) == len(busy)
+    assert any("median [min, max] of 2" in n for n in summary["notes"])
+    assert "--repeats 2" in summary["command"]
+    assert (tmp_path / "logs").is_dir() and len(list((tmp_path / "logs").glob("*/run-*"))) == 4
