@@ -79,6 +79,9 @@ class Identity:
 
     def apply(self, facts: RequestFacts) -> RequestFacts:
         """The facts with this identity filled in (the daemon parses facts once, then this)."""
+        if (facts.user, facts.app, facts.interaction_id, facts.interaction_stage, facts.final_call, facts.tier) == (
+                self.tenant, self.app, self.interaction_id, self.stage, self.final, self.tier):
+            return facts  # nothing to fill in (the common anonymous request): skip the copy
         return replace(facts, user=self.tenant, app=self.app, interaction_id=self.interaction_id,
                        interaction_stage=self.stage, final_call=self.final, tier=self.tier)
 

@@ -186,10 +186,11 @@ class Peers:
     def inbound(self, request: web.Request, facts: RequestFacts, body=b"") -> RequestFacts:
         """Authenticate a forward from a peer (signed over `body` too); everything else is a
         client's request (hops 0)."""
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        _carried.set({h: headers[h] for h in CARRIED if h in headers})
-        if H_PEER_SIG not in headers:
+        given = request.headers  # case-insensitive: no lower-cased copy for a client's request
+        _carried.set({h: given[h] for h in CARRIED if h in given})
+        if H_PEER_SIG not in given:
             return facts  # a client: its own x-lb-hop or other x-lb-peer-* headers mean nothing
+        headers = {k.lower(): v for k, v in given.items()}
         try:
             region = verify(self.pc.secret, headers, request.method, request.path_qs, self.pc.max_clock_skew_s,
                             self.nonces, body=body)
