@@ -263,16 +263,18 @@ def dpa_class(tier: Tier, slack_s: float, tau_n_s: float, tau_p_s: float) -> int
 
 
 class _MembershipQueue(QueueOrderBase):
-    """Entries in push order with O(1) membership; subclasses decide the order."""
+    """Entries with O(1) membership, ranked among equals by their arrival ticket (`seq`: a
+    request retried after its replica failed keeps the one it arrived with, so it goes
+    back ahead of everyone who came after it), then push order; subclasses decide the order."""
 
     def __init__(self) -> None:
-        self._seq: dict[QueueEntry, int] = {}
+        self._seq: dict[QueueEntry, tuple[int, int]] = {}
         self._next = 0
 
     def push(self, entry: QueueEntry) -> None:
         if entry in self._seq:
             raise ValueError("entry is already queued")
-        self._seq[entry] = self._next
+        self._seq[entry] = (entry.seq, self._next)
         self._next += 1
 
     def remove(self, entry: QueueEntry) -> bool:
@@ -343,7 +345,11 @@ class WSCQueue(_MembershipQueue):
             if not self.service.is_active(user) and not self.in_progress(entry.facts, entry.enqueued_at):
                 self.service.lift(user, [*self._by_user, *self.service.inflight])
             self._by_user[user] = {}
-        self._by_user[user][entry] = None
+        mine = self._by_user[user]
+        last = next(reversed(mine), None)
+        mine[entry] = None
+        if last is not None and self._seq[entry] < self._seq[last]:  # a retry: back to its arrival place
+            self._by_user[user] = dict.fromkeys(sorted(mine, key=self._seq.__getitem__))
 
     def remove(self, entry: QueueEntry) -> bool:
         if not super().remove(entry):

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+
+import pytest
 
 from lb.core.policies import make_policy
 from lb.core.types import RequestFacts
@@ -10,8 +13,10 @@ from lb.daemon.dispatch import Dispatcher
 from lb.daemon.registry import Registry
 
 
-async def test_retry_keeps_its_ticket_ahead_of_later_arrivals():
+@pytest.mark.parametrize("order", ["fcfs", "wsc", "vtc", "dpa"])
+async def test_retry_keeps_its_ticket_ahead_of_later_arrivals(order):
     cfg = Config()
+    cfg = replace(cfg, queue=replace(cfg.queue, order=order))  # one tenant: every order keeps arrival order
     registry = Registry(cfg)  # no replicas: everything waits in the LB queue
     d = Dispatcher(registry, cfg, make_policy("round-robin"))
     first = d.ticket()  # request "a" arrived first; its replica then failed
