@@ -22,7 +22,7 @@ from bench.fleet import CpuMeter, Fleet, saturation_warning
 from bench.scenarios._lb import start_lb
 
 DESCRIPTION = "added latency (JSON, streaming TTFT p50/p99) and max req/s: direct vs lb vs SGLang Router"
-CONCURRENCY = 16
+CONCURRENCY = 32  # as the issue measures max req/s
 BODY = {"messages": [{"role": "user", "content": "Say something short."}], "max_tokens": 4, "ignore_eos": True}
 
 
