@@ -11,7 +11,10 @@ as fresh as the daemon's:
   running counts and KV usage *as of the last grid tick* (a replica snapshots its state
   before the first change after each tick, so a read later sees the tick's state), plus
   the LB's own pushes the probe cannot have seen (`lb.core.pushing.settle_probe`, the
-  daemon's estimate) and outstanding counts;
+  daemon's estimate) and outstanding counts. The probes are computed lazily, for the same
+  views: only when a pass reads them (the waiting models' replicas), and only for replicas
+  that changed since their last probe (`SimLB.refresh`; tests/bench/test_sim.py compares
+  every view a pass reads with probing the whole fleet at every tick);
 - after a push the replica is re-probed `early_reprobe_s` later, as the daemon does;
 - a dispatch pass runs on arrival, completion, early re-probe, and on each grid tick while
   requests wait (the daemon's "probe result" wake-up).
@@ -137,6 +140,12 @@ class SimReplica:
         self._run: DecodeRun | None = None
         self._early_probe_due = False
         self.busy_s = 0.0
+        # The view is *fresh* when a grid probe now would write exactly what it holds (the
+        # engine and the LB's counts are unchanged since a live probe and no push is newer
+        # than it); a change puts the replica in its LB's `stale` set, the only replicas a
+        # refresh probes (lazily, as most of a large fleet is unchanged between two ticks).
+        self.fresh = False
+        self.stale_set: dict[str, "SimReplica"] | None = None  # set by SimLB.add_replica
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -159,8 +168,15 @@ class SimReplica:
             self.lb.replica_stopped(self)
 
     # -- what a probe sees -------------------------------------------------------------
+    def mark_stale(self) -> None:
+        """The engine or the LB's counts changed: the next grid probe must look."""
+        self.fresh = False
+        if self.stale_set is not None:
+            self.stale_set[self.id] = self
+
     def _before_change(self, now: float) -> None:
         """Keep the state as of the last probe tick before changing it."""
+        self.mark_stale()
         tick = self.lb.tick_at(now)
         if tick > self.snap_tick:
             self.snap_tick = tick
@@ -173,10 +189,15 @@ class SimReplica:
                 unapplied += 1
             self.snap_outstanding = self.view.outstanding - unapplied
 
-    def state_at_tick(self, tick: float) -> tuple[tuple[int, int, float, int], int]:
+    def probe_at_tick(self, tick: float) -> None:
+        """The grid probe at `tick`: the state kept at the tick if it changed since (then the
+        view stays stale: a later probe sees the change), else the live state."""
         if self.snap_tick == tick:
-            return self.snap, self.snap_outstanding
-        return self.engine.probe(), self.view.outstanding
+            self.probe_into_view(tick, self.snap, self.snap_outstanding)
+        else:
+            self.probe_into_view(tick, self.engine.probe(), self.view.outstanding)
+            log = self.view.push_log
+            self.fresh = not log or log[-1][0] <= tick
 
     def probe_into_view(self, at: float, state: tuple[int, int, float, int], outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
@@ -188,6 +209,7 @@ class SimReplica:
 
     def probe_now(self) -> None:
         self.probe_into_view(self.loop.now, self.engine.probe(), self.view.outstanding)
+        self.fresh = True  # no push can be newer than now
 
     def early_probe(self) -> None:
         self._early_probe_due = False
@@ -264,6 +286,7 @@ class SimReplica:
             req = self.requests.pop(f.id)
             req.finished_at = now
             self.view.outstanding -= 1
+            self.mark_stale()
             if req.first_token is not None:  # timed from the push, as the daemon's proxy times it
                 self.lb.served(req, self.id, req.first_token - req.pushed_at, now - req.pushed_at,
                                f.output_tokens, now)
@@ -286,11 +309,12 @@ class SimLB:
         self.phase = phase
         self.replicas: dict[str, SimReplica] = {}
         self.by_model: dict[str, dict[str, SimReplica]] = {}  # model → its replicas here
+        self._stale_by_model: dict[str, dict[str, SimReplica]] = {}  # model → its replicas a probe must look at
+        self._refreshed: dict[str, float] = {}  # model → the grid tick its views were last brought to
         self.models_served = 1  # how many models the world has (set by the Simulation)
         self._peers: list[tuple[float, SimLB]] = []
         self._seq = 0
         self._tick_scheduled = False
-        self._last_refresh_tick = -math.inf
         self.in_flight = 0  # forwarded to us by peers, not arrived yet
         self.on_done = on_done
 
@@ -315,15 +339,37 @@ class SimLB:
         i = self.cfg.probe_interval_s
         return self.phase + math.floor((t - self.phase) / i) * i
 
-    def refresh(self, now: float) -> None:
-        """Bring every view up to the last grid probe (lazily: only when someone looks)."""
+    def refresh(self, now: float, models) -> None:
+        """Bring the views of `models`' replicas up to the last grid probe, lazily: only when
+        the scheduler looks at them, and only the replicas that changed since their last
+        probe (a probe of an unchanged one writes the same view). Which grid probe a view
+        last took is all that matters, not when it was computed: a probe overwrites every
+        field a probe sets, and a replica's state at a tick is kept until it is read."""
         tick = self.tick_at(now)
-        if tick == self._last_refresh_tick:
-            return
-        self._last_refresh_tick = tick
-        for rep in self.replicas.values():
-            if rep.view.last_probe_at < tick and rep.ready:
-                rep.probe_into_view(tick, *rep.state_at_tick(tick))
+        refreshed = self._refreshed
+        for m in models:
+            if refreshed.get(m) == tick:
+                continue
+            refreshed[m] = tick
+            stale = self._stale_by_model.get(m)
+            if not stale:
+                continue
+            for rep in list(stale.values()):
+                if not rep.fresh and rep.view.last_probe_at < tick and rep.ready:
+                    rep.probe_at_tick(tick)
+                if rep.fresh:
+                    del stale[rep.id]
+
+    def pass_targets(self, models: list[str]) -> list[SimReplica]:
+        """The waiting models' replicas, each model's in fleet order: a pass reads no others
+        (every filter and the policy look only at targets serving the entry's model)."""
+        by_model = self.by_model
+        return [rep for m in models for rep in by_model[m].values()]
+
+    def waiting_models(self) -> list[str]:
+        """The models served here that have a request queued: the only views a pass reads."""
+        waiting = self.scheduler.waiting
+        return [m for m in self.by_model if waiting(m)]
 
     def _probe_tick(self) -> None:
         self._tick_scheduled = False
@@ -342,6 +388,8 @@ class SimLB:
     def add_replica(self, rep: SimReplica) -> None:
         self.replicas[rep.id] = rep
         self.by_model.setdefault(rep.model, {})[rep.id] = rep
+        rep.stale_set = self._stale_by_model.setdefault(rep.model, {})
+        rep.mark_stale()
         self.scheduler.register(rep.id)
         if rep.ready_at > self.loop.now:
             rep.view.healthy = False
@@ -353,6 +401,8 @@ class SimLB:
     def replica_stopped(self, rep: SimReplica) -> None:
         self.replicas.pop(rep.id, None)
         self.by_model.get(rep.model, {}).pop(rep.id, None)
+        self._stale_by_model.get(rep.model, {}).pop(rep.id, None)
+        rep.stale_set = None
         self.scheduler.forget(rep.id)
 
     # -- requests ----------------------------------------------------------------------
@@ -370,8 +420,9 @@ class SimLB:
         if not len(self.scheduler):
             return
         now = self.loop.now
-        self.refresh(now)
-        for p in self.scheduler.schedule(now, self.replicas.values(), self._peer_set(now)):
+        models = self.waiting_models()
+        self.refresh(now, models)
+        for p in self.scheduler.schedule(now, self.pass_targets(models), self._peer_set(now)):
             if p.kind is Kind.REPLICA:
                 p.target.push(p.entry.payload)
             elif p.kind is Kind.PEER:
@@ -440,9 +491,9 @@ class _SimPeers(PeerSet):
 
     def _status(self, latency: float, peer: SimLB) -> PeerTarget:
         now, here = self.now, self.lb.scheduler
-        peer.refresh(now)
-        free = {m: sum(1 for r in reps.values() if r.ready and peer.available(r.view))
-                for m, reps in peer.by_model.items() if here.waiting(m)}
+        models = [m for m in peer.by_model if here.waiting(m)]
+        peer.refresh(now, models)
+        free = {m: sum(1 for r in peer.by_model[m].values() if r.ready and peer.available(r.view)) for m in models}
         status = PeerStatus(peer.region, healthy=True, queue_len=len(peer.scheduler) + peer.in_flight, free=free,
                             models=frozenset(peer.by_model), rtt_s=2 * latency, last_ok_at=now)
         view = ReplicaView(id=f"peer:{peer.region}", url="", engine="peer", region=peer.region, models=status.models)

@@ -3,6 +3,7 @@ iteration at a time, and the LB behaviour it must share with the daemon."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +157,53 @@ def test_spikes_add_load_and_are_measured_and_holt_winters_plans_from_earlier_da
     fc = calm["forecast"]
     assert fc["method"] == "holt-winters" and fc["trained_on_days"] == 2
     assert fc["mean_ape_pct"] < 25
+
+
+@pytest.mark.parametrize("rate_scale,start_s", [(0.05, 0.0), (0.008, 43200.0)])
+def test_lazy_probes_and_per_model_passes_change_no_figure(monkeypatch, rate_scale, start_s):
+    """A pass probes only the waiting models' replicas that changed since their last probe,
+    and looks only at those models' replicas (the hot path of a large fleet): every view a
+    pass reads, and the figures, are exactly those of probing every replica at each tick
+    and passing the whole fleet. Overloaded (requests wait for probes) and at the day's load."""
+    from bench.sim.model import SimLB
+    from bench.sim.runner import run_config
+    from bench.sim.world import load_config
+    from lb.core.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+
+    def run() -> tuple[dict, list, list]:
+        seen = []
+
+        def recording(self, now, targets, peers=None):
+            waiting = {m for m, n in self._waiting.items() if n}
+            seen.append((now, [(t.view.id, t.view.pending, t.view.running, t.view.kv_free_tokens, t.view.outstanding,
+                                t.view.pushed_since_probe, t.view.pushed_tokens_since_probe)
+                               for t in targets if t.view.serves(next(iter(waiting)))] if len(waiting) == 1 else None))
+            return schedule(self, now, targets, peers)
+
+        monkeypatch.setattr(Scheduler, "schedule", recording)
+        cfg = load_config(Path(__file__).parents[2] / "bench/sim/scenarios/day-3x3.toml")
+        cfg.start_s, cfg.duration_s, cfg.arrivals.rate_scale = start_s, 20.0, rate_scale
+        result = run_config(cfg)
+        result["summary"]["sim"].pop("wall_s")
+        return result["summary"], result["series"], seen
+
+    lazy = run()
+
+    def every_replica_each_tick(self, now, models):  # the eager form: the whole fleet, every tick
+        tick = self.tick_at(now)
+        if getattr(self, "_eager_tick", None) == tick:
+            return
+        self._eager_tick = tick
+        for rep in self.replicas.values():
+            if rep.view.last_probe_at < tick and rep.ready:
+                state = (rep.snap, rep.snap_outstanding) if rep.snap_tick == tick else (rep.engine.probe(), rep.view.outstanding)
+                rep.probe_into_view(tick, *state)
+
+    monkeypatch.setattr(SimLB, "refresh", every_replica_each_tick)
+    monkeypatch.setattr(SimLB, "pass_targets", lambda self, models: list(self.replicas.values()))
+    eager = run()
+    assert eager[2] == lazy[2]  # every view every pass read
+    assert eager[:2] == lazy[:2]
+    assert lazy[0]["requests"] > 200 and len(lazy[2]) > 200
