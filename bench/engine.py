@@ -89,6 +89,11 @@ class EngineRequest:
     ignore_eos: bool = False
     priority: int = 0
     arrival: float = 0.0
+    # The caller promises that no other request's prompt shares a block with this one (the
+    # simulator's trace prompts, unique token ranges): its cache blocks are keyed per request
+    # instead of hashed from token ids, which are never read (only `len(prompt_tokens)`).
+    # The cache behaves exactly as with hashed keys (nothing else ever matches either way).
+    unique_prompt: bool = False
 
 
 @dataclass
@@ -260,7 +265,8 @@ class _Seq:
 
     def __init__(self, req: EngineRequest, no: int, target: int, rng: random.Random):
         self.req, self.no, self.target, self.rng = req, no, target, rng
-        self.tokens = list(req.prompt_tokens)
+        # a unique prompt's ids are never read: placeholders keep the lengths right
+        self.tokens = [0] * len(req.prompt_tokens) if req.unique_prompt else list(req.prompt_tokens)
         self.prompt_len = len(self.tokens)
         self.keys: list[int] = []  # chained block keys of `tokens`, extended lazily
         self.blocks: list[_Block] = []  # cache blocks this request references
@@ -316,7 +322,9 @@ class Engine:
         if len(req.prompt_tokens) + req.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(req.prompt_tokens)} tokens) + max_new_tokens "
                              f"({req.max_new_tokens}) exceeds the context limit of {limit}")
-        rng = random.Random(hash((self.seed, tuple(req.prompt_tokens))))
+        # the per-request draws (output length, token ids), seeded by the prompt; unused when
+        # neither is drawn (the simulator), and hashing a long prompt is not free
+        rng = random.Random(hash((self.seed, tuple(req.prompt_tokens)))) if self.token_ids or not req.ignore_eos else None
         if req.ignore_eos:
             target = req.max_new_tokens
         else:
@@ -325,7 +333,7 @@ class Engine:
             target = max(1, min(req.max_new_tokens, drawn))
         seq = _Seq(req, next(self._order), target, rng)
         b = self.profile.block_size
-        seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
+        seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
         seq.cached_at_submit = len(self.cache.match(seq.keys)) * b
         self._by_id[req.id] = seq
         self._enqueue(seq)
@@ -414,6 +422,15 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------
 
+    def _keys(self, seq: _Seq, n_blocks: int) -> list[int]:
+        """`seq`'s first `n_blocks` block keys (extending the ones it has)."""
+        if not seq.req.unique_prompt:
+            return self.cache.block_keys(seq.tokens, seq.keys, n_blocks)
+        keys = seq.keys  # (request number, block number): unique in this engine
+        for i in range(len(keys), n_blocks):
+            keys.append(hash((-1, seq.no, i)))
+        return keys
+
     def _used(self) -> int:
         return self.cache.referenced_tokens + self._private
 
@@ -455,7 +472,7 @@ class Engine:
             return self._waiting
         b = self.profile.block_size
         for seq in self._waiting:
-            seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
+            seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
         return sorted(self._waiting, key=lambda s: (-s.req.priority, -len(self.cache.match(s.keys)), s.no))
 
     def _enqueue(self, seq: _Seq) -> None:
@@ -487,7 +504,7 @@ class Engine:
         while i < len(order) and (p.max_running is None or len(self._running) < p.max_running):
             seq = order[i]
             # leave at least the last token to compute: the engine needs its logits
-            seq.keys = self.cache.block_keys(seq.tokens, seq.keys, (len(seq.tokens) - 1) // b)
+            seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
             matched = self.cache.match(seq.keys)
             cached = len(matched) * b
             reactivated = b * sum(1 for blk in matched if blk.refs == 0)
@@ -561,7 +578,7 @@ class Engine:
         """Move the full blocks of what `seq` has computed into the prefix cache."""
         b = self.block_size
         n_full = seq.computed // b
-        seq.keys = self.cache.block_keys(seq.tokens, seq.keys, n_full)
+        seq.keys = self._keys(seq, n_full)
         for i in range(len(seq.blocks), n_full):
             parent = seq.blocks[-1] if seq.blocks else None
             block, _ = self.cache.insert(parent, seq.keys[i], now)

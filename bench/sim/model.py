@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from bench.engine import EngineRequest
 from bench.profiles import Profile
@@ -55,8 +55,9 @@ class SimRequest:
     model: str
     tenant: str
     arrival: float
-    prompt: list[int]
+    prompt: Sequence[int]
     output_tokens: int
+    unique_prompt: bool = False  # no other request shares a block of it (EngineRequest.unique_prompt)
     facts: RequestFacts | None = None
     extra_latency: float = 0.0  # round trip added by forwarding
     first_token: float | None = None
@@ -230,7 +231,8 @@ class SimReplica:
         req.served_region = self.region
         self._before_change(now)
         self._catch_up(now)
-        self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now), now)
+        self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now,
+                                         unique_prompt=req.unique_prompt), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:

@@ -27,6 +27,7 @@ import tomllib
 from array import array
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Sequence
 
 import mmh3
 import numpy as np
@@ -228,11 +229,11 @@ class Simulation:
             return [arr.Shape(a.prompt_tokens, a.output_tokens)]
         return arr.shape_pool(a.shapes, a.size_scale)
 
-    def _prompt(self, shape: arr.Shape) -> list[int]:
+    def _prompt(self, shape: arr.Shape) -> Sequence[int]:
         self._req_no += 1
         base = self._req_no * TOKEN_SPACE
-        if not shape.blocks:
-            return list(range(base, base + shape.prompt_tokens))
+        if not shape.blocks:  # ids nothing else has: a range (its engine keys it per request)
+            return range(base, base + shape.prompt_tokens)
         tokens: list[int] = []
         for b in shape.blocks:  # equal Mooncake block ids → equal 512-token blocks
             tokens.extend(range((b + 1) * 512 + (1 << 40), (b + 2) * 512 + (1 << 40)))
@@ -249,18 +250,20 @@ class Simulation:
         self.inject(region, model, prompt, max(1, min(shape.output_tokens, limit - len(prompt))), tenant,
                     request_id=f"r{self._req_no}", shares_prefix=bool(shape.blocks))
 
-    def inject(self, region: str, model: str, prompt: list[int], output_tokens: int,
+    def inject(self, region: str, model: str, prompt: Sequence[int], output_tokens: int,
                tenant: str = "external", request_id: str | None = None, shares_prefix: bool = True) -> SimRequest:
         """One request arriving now at `region`'s LB (arrival generators and tests call this).
         `shares_prefix=False` promises no other request shares a block of this prompt (the
         trace shapes without Mooncake blocks: unique token ranges): under prefix-trie its
         chain is left empty, which routes exactly as a chain nothing ever matches, without
-        hashing and storing it (a sixth of a busy day-3x3 hour went there, profiled)."""
+        hashing and storing it (a sixth of a busy day-3x3 hour went there, profiled), and its
+        engine keys its cache blocks per request (`EngineRequest.unique_prompt`) instead of
+        hashing token ids."""
         t = self.loop.now
         if request_id is None:
             self._req_no += 1
             request_id = f"r{self._req_no}"
-        req = SimRequest(request_id, region, model, tenant, t, prompt, output_tokens)
+        req = SimRequest(request_id, region, model, tenant, t, prompt, output_tokens, unique_prompt=not shares_prefix)
         req.facts = RequestFacts(request_id=request_id, model=model, prompt_tokens=len(prompt),
                                  max_tokens=output_tokens, arrival=t, user=tenant)
         if self.chain_params is not None:  # what prefix-trie / cache-aware read (lb.core.prefix)

@@ -407,3 +407,34 @@ def test_a_waiting_request_does_not_pin_its_cached_prefix():
     lost = e.counters.lost_while_waiting
     assert 0 < lost <= e.counters.evicted_tokens  # the tail of `shared` went (LRU leaves first)
     assert y.cached_tokens == 288 - lost  # 18 blocks of 16 were cached when y arrived
+
+
+@pytest.mark.parametrize("profile", ["tiny", "tiny-sglang"])
+def test_unique_prompts_keyed_per_request_run_exactly_as_hashed_ones(profile):
+    """`unique_prompt`: a prompt nothing shares is keyed per request, its ids unread (the
+    simulator's trace prompts, given as ranges). Overloaded (waiting, preemption and
+    re-admission from the request's own cached blocks, eviction), every step and counter is
+    as with the same prompts as token lists; prompts that do share a prefix still hit."""
+    import random
+
+    def run(unique: bool) -> tuple[list, dict]:
+        engine = Engine(get_profile(profile), seed=3, token_ids=False)
+        rng, now, steps = random.Random(5), 0.0, []
+        for i in range(240):
+            now += rng.expovariate(40.0)
+            while (t := engine.next_event_time(now)) is not None and t < now:
+                r = engine.step(t)
+                steps.append((r.start, r.duration, sorted(r.tokens), [vars(f) for f in r.finished], r.preempted))
+            n, out = rng.randint(50, 400), rng.randint(5, 300)
+            shared = i % 4 == 0  # these share a 64-token prefix: hashed either way
+            ids = (list(range(7, 71)) + list(range(i << 20, (i << 20) + n - 64))) if shared else range(i << 20, (i << 20) + n)
+            engine.submit(EngineRequest(f"r{i}", ids if unique or shared else list(ids), out, ignore_eos=True,
+                                        unique_prompt=unique and not shared), now)
+        _, rest = run_until_idle(engine, now)
+        steps += [(r.start, r.duration, sorted(r.tokens), [vars(f) for f in r.finished], r.preempted) for r in rest]
+        return steps, vars(engine.counters)
+
+    hashed, keyed = run(False), run(True)
+    assert keyed == hashed
+    counters = keyed[1]
+    assert counters["preemptions"] > 0 and counters["evicted_tokens"] > 0 and counters["cached_tokens"] > 0
