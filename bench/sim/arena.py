@@ -147,6 +147,9 @@ class PeerFront:
     def served(self, req: SimRequest, replica_id: str, ttft_s: float, e2e_s: float, output: int, now: float) -> None:
         pass  # the peers' published policies learn nothing from response times
 
+    def first_token(self, req: SimRequest) -> None:
+        pass  # the peers' published policies do not predict time to first token
+
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.inflight[req.served_by] -= 1
         self.on_done(req, prompt, cached, output)

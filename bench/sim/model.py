@@ -91,6 +91,8 @@ class LBConfig:
     forward: bool = True  # cross-region forwarding to peers (the daemon forwards when it has peers)
     peer_queue_tau: int = _DAEMON.peering.tau  # a peer is available only with its queue at most this long
     peer_policy: str = _DAEMON.peering.policy  # which available peer takes a forward (lb.core.peering.PeerRouter)
+    peer_forward: str = _DAEMON.peering.forward  # predicted | overflow ([peering] forward)
+    peer_forward_margin_s: float = _DAEMON.peering.forward_margin_s
     policy_options: dict = field(default_factory=lambda: dict(_DAEMON.routing.options))  # make_policy(policy, **policy_options)
     affinity: AffinityConfig = _DAEMON.affinity
     wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults, the daemon's [fairness.wsc] defaults)
@@ -111,6 +113,7 @@ class LBConfig:
             queue=cfg.queue.order, probe_interval_s=cfg.probes.interval_s, early_reprobe_s=cfg.probes.early_reprobe_s,
             max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
             max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
+            peer_forward=cfg.peering.forward, peer_forward_margin_s=cfg.peering.forward_margin_s,
             affinity=cfg.affinity), **overrides})
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -272,6 +275,7 @@ class SimReplica:
             req = reqs.get(rid)
             if req is not None and req.first_token is None:
                 req.first_token = end
+                self.loop.at(end, self.lb.first_token, req)  # the LB sees it come back then
         if res.finished:
             self.loop.at(end, self._finished, res.finished)
         self._token += 1
@@ -318,6 +322,7 @@ class SimLB:
         self._seq = 0
         self._tick_scheduled = False
         self.in_flight = 0  # forwarded to us by peers, not arrived yet
+        self.arriving: dict[str, tuple[float, str, float]] = {}  # those: id → (sent at, model, prompt tokens)
         self.on_done = on_done
 
     @property
@@ -439,11 +444,17 @@ class SimLB:
         req.extra_latency += 2 * latency
         req.facts = replace(req.facts, hops=1)
         peer.in_flight += 1
+        peer.arriving[req.id] = (self.loop.now, req.model, max(1, len(req.prompt)))
         self.loop.after(latency, peer.arrive_forwarded, req)
 
     def arrive_forwarded(self, req: SimRequest) -> None:
         self.in_flight -= 1
+        self.arriving.pop(req.id, None)
         self.arrive(req)
+
+    def first_token(self, req: SimRequest) -> None:
+        """A request placed here produced its first token now (the daemon's first streamed event)."""
+        self.scheduler.first_token(req.facts.request_id, self.loop.now)
 
     def has_room(self) -> bool:
         """A peer's queue is short enough to take forwarded work (requests already forwarded
@@ -456,6 +467,7 @@ class SimLB:
 
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.scheduler.completed(req.facts, prompt, output)
+        self.scheduler.ended(req.facts.request_id)
         if req.served_region != req.region:  # forwarded: the client's LB charged its tenant too
             for _, peer in self.peers:
                 if peer.region == req.region:
@@ -473,7 +485,8 @@ class _SimPeers(PeerSet):
     Their statuses are built only when an entry has no local candidate (`targets`)."""
 
     def __init__(self, lb: SimLB, now: float):
-        super().__init__((), lb.peer_router, tau=lb.cfg.peer_queue_tau, stale_s=math.inf)
+        super().__init__((), lb.peer_router, tau=lb.cfg.peer_queue_tau, stale_s=math.inf, forward=lb.cfg.peer_forward,
+                         margin_s=lb.cfg.peer_forward_margin_s)
         self.lb, self.now, self._targets = lb, now, None
 
     def open(self, now: float) -> bool:
@@ -496,7 +509,11 @@ class _SimPeers(PeerSet):
         models = [m for m in peer.by_model if here.waiting(m)]
         peer.refresh(now, models)
         free = {m: sum(1 for r in peer.by_model[m].values() if r.ready and peer.available(r.view)) for m in models}
-        status = PeerStatus(peer.region, healthy=True, queue_len=len(peer.scheduler) + peer.in_flight, free=free,
-                            models=frozenset(peer.by_model), rtt_s=2 * latency, last_ok_at=now)
+        # forwards still on the wire are what the daemon counts as unseen by the status
+        status = PeerStatus(peer.region, healthy=True, queue_len=len(peer.scheduler), free=free,
+                            models=frozenset(peer.by_model), rtt_s=2 * latency, last_ok_at=now,
+                            forwarded_since_status=peer.in_flight,
+                            ttft=peer.scheduler.advertise([r for m in models for r in peer.by_model[m].values()], now))
+        status.unseen.extend(peer.arriving.values())
         view = ReplicaView(id=f"peer:{peer.region}", url="", engine="peer", region=peer.region, models=status.models)
         return PeerTarget(PeerConfig(peer.region, "sim://" + peer.region), status, view, (latency, peer))

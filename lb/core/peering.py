@@ -10,18 +10,29 @@ the model that we have not already used up with forwards since that status, and 
 at most τ. Dispatch is SkyWalker's Algorithm 1: local replica if any is available, else an
 available peer, else wait in the local queue. A request that already crossed one LB
 (`hops >= 1`) is only ever placed locally: no loops, no ping-pong.
+
+On top of it (`forward = "predicted"`, the default), `predicted_peer` forwards a request that
+*has* a local replica when a peer's predicted TTFT plus the round trip beats the local one
+by a margin (`lb.core.backlog`: the prediction; docs/peering.md: why and the margin).
 """
 from __future__ import annotations
 
+import math
 import random
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
+from lb.core.backlog import parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
 from lb.core.types import ReplicaView, RequestFacts
 
 PEER_POLICIES = ("prefix-trie", "consistent-hash", "nearest")
+# overflow: SkyWalker's Algorithm 1 only (forward what no local replica can take);
+# predicted: also forward when a peer's predicted TTFT plus the round trip beats the local one
+FORWARD_MODES = ("predicted", "overflow")
 DEFAULT_TAU = 2  # peer queue length at which it stops taking forwards (SkyWalker: "small")
+MAX_UNSEEN = 256  # our forwards remembered per peer until a status has seen them
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,8 @@ class PeeringConfig:
     stale_intervals: int = 3  # a status older than this many probe cycles (interval, or the RTT if longer): unavailable
     tau: int = DEFAULT_TAU
     policy: str = "prefix-trie"  # prefix-trie | consistent-hash | nearest
+    forward: str = "predicted"  # predicted | overflow (Algorithm 1 only): when a request with a local replica goes to a peer
+    forward_margin_s: float = 0.0  # seconds a peer must win by beyond the predictions' own measured error
     adopt_after_s: float = 5.0  # grace period before adopting a dead peer's replicas
     max_clock_skew_s: float = 30.0  # signed peer requests older/newer than this are refused
     max_nonces: int = 100_000  # peer-call nonces remembered inside the skew window (replays refused); beyond: 401 until some expire
@@ -83,6 +96,10 @@ class PeeringConfig:
                              f"({self.probe_timeout_s}); raise it to at least that")
         if self.tau < 0:
             raise ValueError(f"{path}.tau: must be >= 0, got {self.tau}")
+        if self.forward not in FORWARD_MODES:
+            raise ValueError(f"{path}.forward: {self.forward!r} is not allowed; use one of: {', '.join(FORWARD_MODES)}")
+        if not self.forward_margin_s >= 0:
+            raise ValueError(f"{path}.forward_margin_s: must be >= 0, got {self.forward_margin_s}")
         if self.policy not in PEER_POLICIES:
             raise ValueError(f"{path}.policy: {self.policy!r} is not allowed; use one of: {', '.join(PEER_POLICIES)}")
         if not self.region:
@@ -144,9 +161,14 @@ class PeerStatus:
     down_since: float | None = None  # first failed probe of the current outage
     forwarded_since_status: int = 0  # our forwards its last status cannot have counted
     in_flight: int = 0  # our forwards to it not finished yet
+    ttft: dict[str, dict] = field(default_factory=dict)  # model → its TTFT advert (lb.core.backlog)
+    # (sent at, model, uncached tokens) of our forwards its last status cannot have counted
+    unseen: deque = field(default_factory=lambda: deque(maxlen=MAX_UNSEEN))
 
-    def record_status(self, doc: dict, rtt_s: float, now: float, alpha: float = 0.3) -> None:
-        """A status answer (the peer's `/lb/peer/status` JSON) arrived after `rtt_s`."""
+    def record_status(self, doc: dict, rtt_s: float, now: float, alpha: float = 0.3,
+                      sent_at: float | None = None) -> None:
+        """A status answer (the peer's `/lb/peer/status` JSON) arrived after `rtt_s`; the
+        probe left at `sent_at` (None: now), so our forwards sent before then are in it."""
         self.healthy = bool(doc.get("healthy"))
         self.queue_len = int(doc.get("queue_len", 0))
         free = doc.get("free") or {}
@@ -158,6 +180,32 @@ class PeerStatus:
         self.down_since = None
         self.failures = 0
         self.forwarded_since_status = 0
+        adverts = doc.get("ttft")
+        self.ttft = {}
+        if isinstance(adverts, dict):
+            for m, a in list(adverts.items())[:64]:  # bounded: a peer cannot make us hold more
+                parsed = parse_advert(a)
+                if parsed is not None:
+                    self.ttft[str(m)] = parsed
+        cut = now if sent_at is None else sent_at
+        while self.unseen and self.unseen[0][0] <= cut:
+            self.unseen.popleft()
+
+    def forwarded(self, now: float, model: str, tokens: float) -> None:
+        """We forwarded a request of `tokens` prompt tokens to it now."""
+        self.forwarded_since_status += 1
+        self.unseen.append((now, model, tokens))
+
+    def predict_ttft(self, model: str, tokens: float) -> tuple[float, float] | None:
+        """(Its predicted TTFT for a forward of `tokens` prompt tokens, that prediction's
+        error) from its last advert and our forwards it has not seen; None when it offers
+        no replica for `model` (or has no fitted prediction yet). Excludes the round trip."""
+        advert = self.ttft.get(model) if model else min(
+            self.ttft.values(), key=lambda a: min(a["ahead"] or [math.inf]), default=None)
+        if advert is None:
+            return None
+        ttft = remote_ttft(advert, tokens, [t for _, m, t in self.unseen if m == model or not model])
+        return None if ttft is None else (ttft, advert["error_s"])
 
     def record_failure(self, now: float) -> None:
         self.healthy = False
@@ -203,9 +251,14 @@ def fresh_for(pc: PeeringConfig, rtt_s: float | None) -> float:
     return pc.stale_intervals * max(pc.probe_interval_s, rtt_s or 0.0)
 
 
+def peer_fresh(st: PeerStatus, *, now: float, stale_s: float) -> bool:
+    """Healthy at a status young enough to act on. `stale_s`: the staleness limit at
+    interval-long probe cycles; a slow link's own (`st.fresh_s`) may be longer."""
+    return st.healthy and st.last_ok_at is not None and now - st.last_ok_at <= max(stale_s, st.fresh_s or 0.0)
+
+
 def peer_available(st: PeerStatus, model: str, *, tau: int, now: float, stale_s: float) -> bool:
-    """`stale_s`: the staleness limit at interval-long probe cycles; a slow link's own (`st.fresh_s`) may be longer."""
-    if not st.healthy or st.last_ok_at is None or now - st.last_ok_at > max(stale_s, st.fresh_s or 0.0):
+    if not peer_fresh(st, now=now, stale_s=stale_s):
         return False
     if st.queue_len + st.forwarded_since_status > tau:
         return False
@@ -283,6 +336,39 @@ def local_or_peer(req: RequestFacts, *, local_available: bool, peers: Sequence[t
         candidates.append(st)
     region = router.choose(req, candidates, now)
     return PeerDecision("peer" if region else "wait", region, tuple(blocked))
+
+
+def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
+                   peers: Sequence[tuple[PeerConfig, PeerStatus]], router: PeerRouter, tau: int, now: float,
+                   stale_s: float, margin_s: float = 0.0, exclude: frozenset[str] = frozenset()) -> PeerDecision:
+    """Forward by predicted TTFT: a request a local replica would take (predicted `local_ttft`
+    there, with that prediction's typical error `local_error`) goes to a peer whose predicted
+    TTFT plus the round trip is lower by more than the margin: the two predictions' combined
+    error (a smaller gain cannot be told from noise) plus `margin_s`. Else "local".
+
+    Only a fresh, healthy peer with its own queue at most τ, that serves the model, offers a
+    replica in its advert and that the request's residency tag allows; the router picks among
+    those that win, so a conversation keeps going to the region that holds its prefix."""
+    if req.hops >= 1:
+        return PeerDecision("local")
+    tokens = max(1, req.prompt_tokens)
+    candidates, blocked = [], []
+    for pc, st in peers:
+        if (st.region in exclude or st.rtt_s is None or not st.serves(req.model) or st.queue_len > tau
+                or not peer_fresh(st, now=now, stale_s=stale_s)):
+            continue
+        remote = st.predict_ttft(req.model, tokens)
+        if remote is None:
+            continue
+        ttft, error = remote
+        if st.rtt_s + ttft + math.hypot(local_error, error) + margin_s >= local_ttft:
+            continue
+        if not residency_allows(req.residency, pc.allowed_residency):
+            blocked.append(pc.region)
+            continue
+        candidates.append(st)
+    region = router.choose(req, candidates, now)
+    return PeerDecision("peer" if region else "local", region, tuple(blocked))
 
 
 def adoption_action(pc: PeerConfig, st: PeerStatus, adopted: bool, *, now: float, grace_s: float) -> str | None:

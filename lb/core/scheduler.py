@@ -12,6 +12,7 @@ Entry points (the whole interface)::
     s.schedule(now, targets, peers=None) -> list[Placement] # one pass over the queue
     s.withdraw(entry)        -> bool                        # left without running (timeout, client gone)
     s.completed(facts, input_tokens, output_tokens)         # a placed request finished (WSC/VTC settle)
+    s.first_token(request_id, now) / s.ended(request_id)    # its first token came back / it ended
     s.close()                -> list[Placement]             # REJECT every waiting entry
     s.register(id) / s.forget(id)                           # the fleet changed
     s.reconfigure(SchedulerConfig(...))                     # new limits (config reload)
@@ -41,6 +42,10 @@ One pass, in order (the filter chain first, then queue order, then the policy):
    candidates. None: SkyWalker Algorithm 1 offers it to an available peer LB
    (`lb.core.peering.local_or_peer`, never for a request that already crossed one LB), else it
    stays queued; an entry nothing can take never blocks the ones behind it.
+   With peers and `forward = "predicted"`, an entry that has candidates goes to a peer when
+   the TTFT predicted there plus the round trip beats the local prediction by a margin
+   (`lb.core.peering.predicted_peer`; predictions from `lb.core.backlog`, which the
+   scheduler keeps from its pushes and the first tokens its caller reports: `first_token`).
 3. Its busy prefix holder may be worth a short wait (`AffinityScheduler.hold`): HOLD.
 4. Else the policy chooses among the candidates (filters → scorers → picker,
    `lb.core.policies`), the entry is taken out and the push recorded. A target the push
@@ -56,8 +61,10 @@ from enum import Enum
 from typing import Iterable, Protocol, Sequence
 
 from lb.core.affinity import AffinityConfig, AffinityScheduler
+from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
-from lb.core.peering import DEFAULT_TAU, PeerConfig, PeerRouter, PeerStatus, local_or_peer, peer_available
+from lb.core.peering import (DEFAULT_TAU, PeerConfig, PeerDecision, PeerRouter, PeerStatus, local_or_peer,
+                             peer_available, predicted_peer)
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
 from lb.core.queueing import QueueOrderBase
@@ -111,11 +118,13 @@ class PeerSet:
     is read only when some entry has no local candidate, so a caller may build it lazily."""
 
     def __init__(self, targets: Sequence[PeerTarget], router: PeerRouter, *, tau: int = DEFAULT_TAU,
-                 stale_s: float = 0.3):
+                 stale_s: float = 0.3, forward: str = "predicted", margin_s: float = 0.0):
         self.targets = targets
         self.router = router
         self.tau = tau  # a peer whose queue is longer takes no forward
         self.stale_s = stale_s  # a status older than this means unavailable
+        self.predicted = forward == "predicted"  # also forward what a local replica would take, when a peer is faster
+        self.margin_s = margin_s  # beyond the predictions' error
 
     def open(self, now: float) -> bool:
         """Could any peer take a request now? (lets a full LB skip walking its queue)"""
@@ -170,6 +179,7 @@ class Scheduler:
         self.closed = False
         self._waiting: dict[str, int] = {}  # model → entries queued (kept as they come and go)
         self._waiting_tokens: dict[str, int] = {}  # model → their prompt tokens
+        self.backlog = Backlog()  # prefill ahead per target, and the TTFT it predicts
 
     def reconfigure(self, cfg: SchedulerConfig) -> None:
         """New limits (a config reload); the queue, its order and the policy stay."""
@@ -223,6 +233,30 @@ class Scheduler:
         """A replica answered a placed request: what it took feeds the policy's learned rates."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
 
+    def first_token(self, request_id: str, now: float) -> None:
+        """A placed request's first token came back: its prefill no longer waits ahead of
+        anyone, and its TTFT teaches the prediction (`lb.core.backlog`)."""
+        self.backlog.first_token(request_id, now)
+
+    def ended(self, request_id: str) -> None:
+        """A placed request ended (answered, failed, cancelled): nothing of it is ahead now."""
+        self.backlog.ended(request_id)
+
+    def advertise(self, targets: Iterable[Target], now: float) -> dict[str, dict]:
+        """model → what a peer needs to predict a forward's TTFT here (`ttft` in
+        `/lb/peer/status`): the fit and the work ahead on each replica that takes one now."""
+        free: dict[str, list[str]] = {}
+        for t in targets:
+            if self.eligible(t, now):
+                for m in t.view.models:
+                    free.setdefault(m, []).append(t.view.id)
+        out = {}
+        for m, ids in free.items():
+            advert = self.backlog.advert(ids)
+            if advert is not None:
+                out[m] = advert
+        return out
+
     def _count(self, entry: QueueEntry, sign: int) -> None:
         model = entry.facts.model
         self._waiting[model] = self._waiting.get(model, 0) + sign
@@ -238,6 +272,7 @@ class Scheduler:
 
     def forget(self, target_id: str) -> None:
         self.policy.forget(target_id)
+        self.backlog.forget(target_id)
 
     def available(self, view: ReplicaView) -> bool:
         """May one more request be pushed to `view` now (pushing mode and its headroom)?"""
@@ -291,15 +326,27 @@ class Scheduler:
             target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
             if target is None:
                 continue
+            if peers is not None and peers.predicted and facts.hops == 0:
+                forwarded = self._faster_peer(entry, target, peers, now)
+                if forwarded is not None:
+                    out.append(forwarded)
+                    continue
             out.append(self._place(entry, target, now))
             if not self.eligible(target, now):
                 p.drop(target)
         return out
 
+    def _uncached(self, facts: RequestFacts) -> float:
+        """The prompt tokens the policy's last choice will not find cached (its prefix match)."""
+        d = self.policy.last
+        share = d.matched_blocks / d.total_blocks if d.total_blocks else 0.0
+        return max(1, facts.prompt_tokens) * (1.0 - share)
+
     def _place(self, entry: QueueEntry, target: Target, now: float) -> Placement:
         facts = entry.facts
         self._take(entry)
         record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now)
+        self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now)
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
@@ -329,23 +376,47 @@ class Scheduler:
                            and self._may_go(entry, t.view) for t in targets)
         return [] if others_exist else cands
 
-    def _to_peer(self, entry: QueueEntry, peers: PeerSet, now: float) -> Placement | None:
-        """SkyWalker Algorithm 1, second branch: no local replica can take it; an available peer?"""
-        facts = entry.facts
+    def _usable_peers(self, entry: QueueEntry, peers: PeerSet) -> tuple[list[PeerTarget], frozenset[str]]:
+        """The peers `entry` may go to (healthy, its `accepts`), and the regions it already failed on."""
         usable = [p for p in peers.targets if p.view.healthy and (entry.accepts is None or entry.accepts(p.view))]
         for p in usable:
             p.status.in_flight = p.view.outstanding
-        exclude = frozenset(p.config.region for p in usable if p.view.id in entry.exclude)
-        d = local_or_peer(facts, local_available=False, peers=[(p.config, p.status) for p in usable], router=peers.router,
-                   tau=peers.tau, now=now, stale_s=peers.stale_s, exclude=exclude)
+        return usable, frozenset(p.config.region for p in usable if p.view.id in entry.exclude)
+
+    def _to_peer(self, entry: QueueEntry, peers: PeerSet, now: float) -> Placement | None:
+        """SkyWalker Algorithm 1, second branch: no local replica can take it; an available peer?"""
+        usable, exclude = self._usable_peers(entry, peers)
+        d = local_or_peer(entry.facts, local_available=False, peers=[(p.config, p.status) for p in usable],
+                          router=peers.router, tau=peers.tau, now=now, stale_s=peers.stale_s, exclude=exclude)
         if d.kind != "peer":
             if d.residency_blocked:
                 return Placement(entry, Kind.HOLD, reason="residency", waited=now - entry.enqueued_at,
                                  residency_blocked=d.residency_blocked)
             return None
+        return self._forward(entry, usable, d, peers, now)
+
+    def _faster_peer(self, entry: QueueEntry, target: Target, peers: PeerSet, now: float) -> Placement | None:
+        """A local replica would take it (`target`, the policy's choice): a peer whose predicted
+        TTFT plus the round trip is lower by the margin takes it instead (None: stay local)."""
+        local = self.backlog.predict(target.view.id, self._uncached(entry.facts))
+        if local is None:  # no fit yet: Algorithm 1 alone
+            return None
+        rtts = [p.status.rtt_s for p in peers.targets if p.status.rtt_s is not None]
+        error = self.backlog.error_s or 0.0
+        if not rtts or local <= min(rtts) + error + peers.margin_s:
+            return None  # no peer could win by the margin even with nothing ahead there
+        usable, exclude = self._usable_peers(entry, peers)
+        d = predicted_peer(entry.facts, local_ttft=local, local_error=error,
+                           peers=[(p.config, p.status) for p in usable], router=peers.router, tau=peers.tau,
+                           now=now, stale_s=peers.stale_s, margin_s=peers.margin_s, exclude=exclude)
+        return self._forward(entry, usable, d, peers, now) if d.kind == "peer" else None
+
+    def _forward(self, entry: QueueEntry, usable: list[PeerTarget], d: PeerDecision, peers: PeerSet,
+                 now: float) -> Placement:
+        facts = entry.facts
         peer = next(p for p in usable if p.config.region == d.region)
         self._take(entry)
-        peer.status.forwarded_since_status += 1
+        peer.status.forwarded(now, facts.model, max(1, facts.prompt_tokens))
         record_push(peer.view, 0, now)
         peers.router.observe(facts, d.region, now)
         return Placement(entry, Kind.PEER, peer.handle, peer.view.id, "peer", now - entry.enqueued_at,

@@ -50,6 +50,8 @@ class Dispatcher:
         self.on_progress: list[Callable] = []
         self.on_complete: list[Callable] = []
         self.on_complete.append(self._served)  # the policy learns each replica's rates from its answers
+        # the scheduler's TTFT prediction (lb.core.backlog): a stream's first event ends its prefill
+        self.on_progress.append(lambda rid, events, now: self.scheduler.first_token(rid, now))
         # Cross-region peering (lb/daemon/peer_links.py): offered what no local replica can take.
         self.overflow = None
         registry.on_change(self.wake)
@@ -59,6 +61,7 @@ class Dispatcher:
     def _served(self, facts, rep, out, now: float) -> None:
         """Feed the policy what the replica took, timed from the push (the proxy times from
         arrival: take the LB queue wait off)."""
+        self.scheduler.ended(facts.request_id)
         if out.status == 200 and out.ttft_s is not None and out.e2e_s is not None:
             wait = out.queue_wait_s or 0.0
             self.scheduler.served(facts, rep.id, out.ttft_s - wait, out.e2e_s - wait,

@@ -119,7 +119,8 @@ class Peers:
         self.nonces = Nonces(self.pc.max_clock_skew_s, self.pc.max_nonces)  # replays refused
         # what the scheduler offers work to (lb.core.scheduler.PeerSet), filled at start()
         self.peer_set = PeerSet([], self.router, tau=self.pc.tau,
-                                stale_s=self.pc.stale_intervals * self.pc.probe_interval_s)
+                                stale_s=self.pc.stale_intervals * self.pc.probe_interval_s,
+                                forward=self.pc.forward, margin_s=self.pc.forward_margin_s)
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
         self._blocked_seen: OrderedDict[str, None] = OrderedDict()  # count a blocked request once
@@ -249,6 +250,7 @@ class Peers:
                for r in self.registry.active() if r.id not in adopted]
         return {"region": self.pc.region, "healthy": healthy, "queue_len": len(self.dispatcher.queue),
                 "free": free, "models": sorted(self.registry.models()), "running": running,
+                "ttft": self.dispatcher.scheduler.advertise(self.registry.active(), time.monotonic()),
                 "replicas": own, "ts": round(time.time(), 3)}
 
     async def handle_status(self, request: web.Request) -> web.Response:
@@ -292,7 +294,7 @@ class Peers:
         st, view = link.status, link.target.view
         was = st.healthy
         if isinstance(doc, dict):
-            st.record_status(doc, now - t0, now)
+            st.record_status(doc, now - t0, now, sent_at=t0)
             st.fresh_s = fresh_for(self.pc, st.rtt_s)
             link.replicas = [r for r in doc.get("replicas") or () if isinstance(r, dict) and r.get("url")]
             view.models, view.pending, view.running = st.models, st.queue_len, st.running

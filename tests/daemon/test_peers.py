@@ -2,7 +2,9 @@
 
 Every LB runs SP-O with `max_outstanding = 1`, so one held streaming request makes a region
 "full": what the tests control is exactly when local replicas are available. Peer probes
-run every 50 ms; τ = 0 (a peer with anything queued takes no forwards).
+run every 50 ms; τ = 0 (a peer with anything queued takes no forwards). `forward =
+"overflow"`: these tests are about SkyWalker's Algorithm 1 itself; forwarding by predicted
+TTFT (the default) has its own, tests/daemon/test_peer_predicted.py.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class Region:
                  '[pushing]\nmode = "sp-outstanding"\nmax_outstanding = 1\n',
                  f"[probes]\ninterval_s = {INTERVAL}\n",
                  f'[peering]\nregion = "{self.name}"\nprobe_interval_s = {INTERVAL}\nprobe_timeout_s = 0.2\n'
-                 f'tau = 0\nadopt_after_s = 0.5\npolicy = "nearest"\n',
+                 f'tau = 0\nadopt_after_s = 0.5\npolicy = "nearest"\nforward = "overflow"\n',
                  f'[[replicas]]\nurl = "{self.emu_url}"\nengine = "sglang"\nmodels = ["m"]\n']
         for p in peers:
             lines.append(f'[[peers]]\nregion = "{p.name}"\nurl = "{p.url}"\n'

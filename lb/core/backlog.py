@@ -1,0 +1,177 @@
+"""Prefill work ahead on each replica, and the time to first token it predicts.
+
+The scheduler's peer step (`lb.core.scheduler`) forwards a request to a peer region when the
+TTFT predicted there plus the round trip beats the local prediction by a margin, and
+`/lb/peer/status` advertises this model's inputs so that peers can predict for us
+(docs/peering.md, "Forwarding by predicted TTFT").
+
+A request pushed to a replica produces its first token once the replica has prefilled it and
+the requests it took earlier that have not produced a token yet: engines prefill in admission
+order (chunked prefill works through the running requests' prompts in order; a waiting
+request is admitted behind the ones before it). The LB knows both for its own pushes — the
+uncached prompt tokens of each, and when each first token came back — so
+
+    TTFT(r, u) ≈ base + per_token × (ahead(r) + u)
+
+where `ahead(r)` is the tokens of `r`'s pushes still without a first token and `u` the new
+request's uncached tokens. `base` and `per_token` are fitted online (exponentially weighted
+least squares over every replica's (ahead at push + u, observed TTFT) pairs): the hardware's
+prefill speed, the decode share of each step and the step overhead, learned from what the
+fleet does rather than read from a profile. The fit's out-of-sample error (`error_s`, each
+sample predicted before it is learned) says how far one prediction can be trusted.
+
+Pure: times are passed in. Bounded: at most `max_tracked` pushes are tracked (the oldest
+is dropped), so a caller that misses an end cannot grow it.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# EW weight of one sample: the fit follows about the last 50 first tokens, so it tracks a
+# batch that grows or shrinks over minutes while one odd request moves it by 2 %.
+ALPHA = 0.02
+# No prediction before this many samples: a two-point line is noise, and a wrong early
+# prediction would move requests across regions. Until then the peer step is SkyWalker's
+# Algorithm 1 alone (forward only what nothing local can take).
+MIN_SAMPLES = 20
+MAX_TRACKED = 65_536
+
+
+@dataclass(slots=True)
+class _Push:
+    target: str
+    tokens: float  # its own uncached prompt tokens
+    x: float  # ahead of it at push, plus its own: the work before its first token
+    at: float
+
+
+class Backlog:
+    def __init__(self, alpha: float = ALPHA, min_samples: int = MIN_SAMPLES, max_tracked: int = MAX_TRACKED):
+        self.alpha, self.min_samples, self.max_tracked = alpha, min_samples, max_tracked
+        self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
+        self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # EW sums of the fit
+        self.samples = 0
+        self._error: float | None = None  # EW mean |observed − predicted| TTFT, s
+
+    # -- what happens to pushes ---------------------------------------------------------
+    def placed(self, request_id: str, target_id: str, tokens: float, now: float) -> None:
+        """`request_id` was pushed to `target_id` now with `tokens` uncached prompt tokens (a
+        retry of the same id replaces its earlier push)."""
+        self._release(request_id)
+        ahead = self.ahead.get(target_id, 0.0) + tokens
+        self.ahead[target_id] = ahead
+        self._open[request_id] = _Push(target_id, tokens, ahead, now)
+        while len(self._open) > self.max_tracked:
+            self._release(next(iter(self._open)))
+
+    def first_token(self, request_id: str, now: float) -> None:
+        """Its first token came back now: its prefill is done, and it is a sample of the fit."""
+        push = self._release(request_id)
+        if push is None or now < push.at:
+            return
+        y = now - push.at
+        predicted = self.predict_work(push.x)
+        if predicted is not None:
+            miss = abs(y - predicted)
+            self._error = miss if self._error is None else self._error + self.alpha * (miss - self._error)
+        a = self.alpha
+        self._w += a * (1.0 - self._w)
+        self._x += a * (push.x - self._x)
+        self._y += a * (y - self._y)
+        self._xx += a * (push.x * push.x - self._xx)
+        self._xy += a * (push.x * y - self._xy)
+        self.samples += 1
+
+    def ended(self, request_id: str) -> None:
+        """It ended without a first token we saw (not streamed, failed, cancelled): its work
+        is no longer ahead of anyone; nothing is learned."""
+        self._release(request_id)
+
+    def forget(self, target_id: str) -> None:
+        self.ahead.pop(target_id, None)
+        for rid in [rid for rid, p in self._open.items() if p.target == target_id]:
+            del self._open[rid]
+
+    def _release(self, request_id: str) -> _Push | None:
+        push = self._open.pop(request_id, None)
+        if push is not None:
+            left = self.ahead.get(push.target, 0.0) - push.tokens
+            if left > 0.5:
+                self.ahead[push.target] = left
+            else:
+                self.ahead.pop(push.target, None)
+        return push
+
+    # -- predictions ----------------------------------------------------------------------
+    def fit(self) -> tuple[float, float] | None:
+        """(base s, per-token s) of the line through the samples; None before `min_samples`."""
+        if self.samples < self.min_samples or self._w <= 0:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var, cov = self._xx / self._w - mx * mx, self._xy / self._w - mx * my
+        if var > 1e-9 * max(1.0, mx * mx) and cov > 0:
+            per_token = cov / var
+            base = my - per_token * mx
+            if base >= 0:
+                return base, per_token
+        # no spread in the work (an idle fleet) or a negative intercept: through the origin
+        return (0.0, self._xy / self._xx) if self._xx > 0 else (my, 0.0)
+
+    @property
+    def error_s(self) -> float | None:
+        """How far off a prediction typically is (EW mean absolute error, out of sample)."""
+        return self._error
+
+    def predict_work(self, work_tokens: float) -> float | None:
+        fit = self.fit()
+        return None if fit is None else fit[0] + fit[1] * work_tokens
+
+    def predict(self, target_id: str, tokens: float) -> float | None:
+        """TTFT of a request with `tokens` uncached tokens pushed to `target_id` now."""
+        return self.predict_work(self.ahead.get(target_id, 0.0) + tokens)
+
+    def advert(self, target_ids: list[str], limit: int = 16) -> dict | None:
+        """What a peer needs to predict a forward's TTFT here (the `ttft` entry of
+        `/lb/peer/status` for one model): the fit, its error, and the work ahead on each of
+        `target_ids` (the replicas that would take a request now), least first, at most
+        `limit` of them. None before the fit exists."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        ahead = sorted(round(self.ahead.get(t, 0.0)) for t in target_ids)[:limit]
+        return {"base_s": round(fit[0], 6), "per_token_s": fit[1], "error_s": round(self._error or 0.0, 6),
+                "ahead": ahead}
+
+
+def remote_ttft(advert: dict, tokens: float, unseen: list[float] = ()) -> float | None:
+    """A peer's predicted TTFT for a forward of `tokens` prompt tokens, from its advert and the
+    tokens of our forwards its advert has not seen yet (`unseen`, in send order: each took the
+    peer's least-loaded replica, as its own routing would). None when it has no replica to offer."""
+    ahead = list(advert.get("ahead") or ())
+    if not ahead:
+        return None
+    for t in unseen:  # greedy: each unseen forward landed on the least-loaded replica
+        i = min(range(len(ahead)), key=ahead.__getitem__)
+        ahead[i] += t
+    return advert["base_s"] + advert["per_token_s"] * (min(ahead) + tokens)
+
+
+def parse_advert(doc: object, limit: int = 16) -> dict | None:
+    """A peer's `ttft` entry for one model, checked (None when malformed: a peer cannot make
+    us predict from garbage, nor hold an unbounded list)."""
+    if not isinstance(doc, dict):
+        return None
+    raw = doc.get("ahead") or []
+    if not isinstance(raw, list):
+        return None
+    try:
+        base, per_token, error = (float(doc.get(k, 0.0)) for k in ("base_s", "per_token_s", "error_s"))
+        ahead = [float(a) for a in raw[:limit]]
+    except (TypeError, ValueError):
+        return None
+    if not all(math.isfinite(v) and v >= 0 for v in (base, per_token, error, *ahead)):
+        return None
+    return {"base_s": base, "per_token_s": per_token, "error_s": error, "ahead": ahead}

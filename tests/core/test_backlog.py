@@ -1,0 +1,231 @@
+"""Prefill work ahead and the TTFT it predicts (lb.core.backlog), and forwarding by predicted
+TTFT (lb.core.peering.predicted_peer, the scheduler's peer step). Time is passed in."""
+from __future__ import annotations
+
+import math
+
+from lb.core.backlog import MIN_SAMPLES, Backlog, parse_advert, remote_ttft
+from lb.core.peering import PeerConfig, PeeringConfig, PeerRouter, PeerStatus, predicted_peer
+from lb.core.policies import make_policy
+from lb.core.queueing import make_queue
+from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
+from lb.core.types import QueueEntry, ReplicaView, RequestFacts
+
+import pytest
+
+NOW = 1000.0
+BASE, PER_TOKEN = 0.1, 0.0005  # the "engine" the tests' samples come from
+
+
+def trained(samples: int = 3 * MIN_SAMPLES) -> Backlog:
+    """A backlog that has seen first tokens from an engine with TTFT = BASE + PER_TOKEN × work."""
+    b = Backlog()
+    t = 0.0
+    for i in range(samples):
+        ahead = (i * 997) % 6000  # work already ahead on the replica when it was pushed
+        b.placed(f"warm-ahead-{i}", "x", ahead, t)
+        b.placed(f"warm-{i}", "x", 500, t)
+        b.first_token(f"warm-{i}", t + BASE + PER_TOKEN * (ahead + 500))
+        b.ended(f"warm-ahead-{i}")
+        t += 10
+    return b
+
+
+def test_work_ahead_counts_pushes_until_their_first_token_or_end():
+    b = Backlog()
+    b.placed("a", "r1", 1000, NOW)
+    b.placed("b", "r1", 300, NOW)
+    b.placed("c", "r2", 50, NOW)
+    assert b.ahead == {"r1": 1300, "r2": 50}
+    b.first_token("a", NOW + 1)
+    b.ended("c")
+    assert b.ahead == {"r1": 300}
+    b.placed("b", "r2", 300, NOW + 2)  # a retry elsewhere replaces its first push
+    assert b.ahead == {"r2": 300}
+    b.forget("r2")
+    assert b.ahead == {} and not b._open
+
+
+def test_tracking_is_bounded():
+    b = Backlog(max_tracked=3)
+    for i in range(10):
+        b.placed(f"r{i}", "x", 100, NOW)
+    assert len(b._open) == 3 and b.ahead == {"x": 300}
+
+
+def test_the_fit_learns_the_engine_from_first_tokens_and_predicts_from_work_ahead():
+    b = Backlog()
+    assert b.predict("x", 500) is None  # nothing learned: no prediction, no forwarding on it
+    b = trained()
+    base, per_token = b.fit()
+    assert base == pytest.approx(BASE, rel=1e-3) and per_token == pytest.approx(PER_TOKEN, rel=1e-3)
+    b.placed("q", "x", 4000, NOW)
+    assert b.predict("x", 1000) == pytest.approx(BASE + PER_TOKEN * 5000, rel=1e-3)
+    assert b.predict("idle", 1000) == pytest.approx(BASE + PER_TOKEN * 1000, rel=1e-3)
+    assert b.error_s < 1e-3  # the samples lie on the line: predictions hit them
+
+
+def test_error_is_measured_out_of_sample():
+    b = trained()
+    b.placed("slow", "x", 500, NOW)
+    b.first_token("slow", NOW + BASE + PER_TOKEN * 500 + 2.0)  # 2 s later than predicted
+    assert b.error_s == pytest.approx(0.02 * 2.0, rel=0.05)  # one EW sample (alpha 0.02) of a 2 s miss
+
+
+def test_advert_lists_the_least_work_first_and_is_bounded():
+    b = trained()
+    for i, (target, tokens) in enumerate([("r1", 3000), ("r2", 100), ("r3", 900)]):
+        b.placed(f"p{i}", target, tokens, NOW)
+    ad = b.advert(["r1", "r2", "r3", "r4"])
+    assert ad["ahead"] == [0, 100, 900, 3000]
+    assert len(b.advert([f"r{i}" for i in range(40)])["ahead"]) == 16
+    assert Backlog().advert(["r1"]) is None
+
+
+def test_remote_prediction_adds_our_unseen_forwards_to_its_least_loaded_replicas():
+    ad = {"base_s": 0.1, "per_token_s": 0.001, "error_s": 0.0, "ahead": [0, 500]}
+    assert remote_ttft(ad, 100) == pytest.approx(0.1 + 0.1)
+    assert remote_ttft(ad, 100, [300]) == pytest.approx(0.1 + 0.001 * (300 + 100))  # 300 on the idle one
+    assert remote_ttft(ad, 100, [300, 300]) == pytest.approx(0.1 + 0.001 * (500 + 100))  # both now hold work
+    assert remote_ttft({**ad, "ahead": []}, 100) is None
+
+
+@pytest.mark.parametrize("bad", [None, [], {"ahead": "x"}, {"base_s": -1, "ahead": [1]},
+                                 {"per_token_s": math.nan, "ahead": [1]}, {"ahead": [1, "a"]},
+                                 {"ahead": [-5]}])
+def test_a_malformed_advert_is_ignored(bad):
+    assert parse_advert(bad) is None
+
+
+def test_a_long_advert_is_cut():
+    assert len(parse_advert({"base_s": 0, "per_token_s": 0, "ahead": list(range(10**5))})["ahead"]) == 16
+
+
+# -- the decision -------------------------------------------------------------------------
+
+def peer_status(region: str, *, ahead=(0,), rtt: float = 0.15, queue: int = 0, error: float = 0.05,
+                age: float = 0.0) -> PeerStatus:
+    st = PeerStatus(region)
+    st.record_status({"healthy": True, "queue_len": queue, "free": {"m": len(ahead)}, "models": ["m"],
+                      "ttft": {"m": {"base_s": BASE, "per_token_s": PER_TOKEN, "error_s": error,
+                                     "ahead": list(ahead)}}}, rtt, NOW - age)
+    return st
+
+
+def facts(**kw) -> RequestFacts:
+    return RequestFacts(kw.pop("rid", "r"), "m", prompt_tokens=kw.pop("tokens", 1000), **kw)
+
+
+def decide(local_ttft: float, peers, **kw):
+    kw.setdefault("local_error", 0.05)
+    return predicted_peer(kw.pop("req", facts()), local_ttft=local_ttft, peers=peers, router=PeerRouter("nearest"),
+                          tau=2, now=NOW, stale_s=0.3, **kw)
+
+
+def test_forward_when_the_peer_plus_the_round_trip_wins_by_the_margin():
+    eu = [(PeerConfig("eu", "http://eu"), peer_status("eu"))]
+    remote = 0.15 + BASE + PER_TOKEN * 1000  # 0.75 s
+    margin = math.hypot(0.05, 0.05)
+    assert decide(remote + margin + 0.01, eu).region == "eu"
+    assert decide(remote + margin - 0.01, eu).kind == "local"  # within the predictions' error: stay
+    assert decide(remote + margin + 0.01, eu, margin_s=0.05).kind == "local"  # an operator's extra margin
+    assert decide(5.0, eu, req=facts(hops=1)).kind == "local"  # already forwarded once: never again
+
+
+def test_only_fresh_short_queued_peers_offering_a_replica_and_allowed_by_residency():
+    def only(st, pc=None):
+        return [(pc or PeerConfig(st.region, "http://x"), st)]
+    assert decide(5.0, only(peer_status("eu", age=1.0))).kind == "local"  # stale status
+    assert decide(5.0, only(peer_status("eu", queue=3))).kind == "local"  # its own queue is over tau
+    assert decide(5.0, only(peer_status("eu", ahead=()))).kind == "local"  # no replica takes one there
+    d = decide(5.0, only(peer_status("eu"), PeerConfig("eu", "http://eu", allowed_residency=("eu",))),
+               req=facts(residency="us"))
+    assert d.kind == "local" and d.residency_blocked == ("eu",)
+    assert decide(5.0, only(peer_status("eu"), PeerConfig("eu", "http://eu", allowed_residency=("us",))),
+                  req=facts(residency="us")).region == "eu"
+
+
+def test_our_own_unseen_forwards_close_the_gap():
+    st = peer_status("eu", ahead=(0,))
+    eu = [(PeerConfig("eu", "http://eu"), st)]
+    sent = 0
+    while decide(3.0, eu).kind == "peer":
+        st.forwarded(NOW, "m", 1000)
+        sent += 1
+        assert sent < 50
+    # 3.0 s local vs 0.15 + 0.1 + 0.0005 x (1000 x sent + 1000) + 0.07 margin: wins while sent < 4.36
+    assert sent == 5
+    st.record_status({"healthy": True, "queue_len": 0, "models": ["m"], "ttft": {
+        "m": {"base_s": BASE, "per_token_s": PER_TOKEN, "error_s": 0.05, "ahead": [5000]}}}, 0.15, NOW + 1,
+        sent_at=NOW - 1)  # a probe sent before our forwards: they are still unseen by it
+    assert len(st.unseen) == 5
+    st.record_status({"healthy": True, "queue_len": 0, "models": ["m"]}, 0.15, NOW + 2, sent_at=NOW + 1)
+    assert not st.unseen and st.ttft == {}  # this one saw them (and offers no prediction)
+
+
+def test_config_names_the_key():
+    with pytest.raises(ValueError, match="peering.forward"):
+        PeeringConfig.from_dict({"forward": "always"})
+    with pytest.raises(ValueError, match="forward_margin_s"):
+        PeeringConfig.from_dict({"forward_margin_s": -1})
+    assert PeeringConfig().forward == "predicted"
+
+
+# -- in the scheduler -----------------------------------------------------------------------
+
+class Rep:
+    def __init__(self, rid: str):
+        self.view = ReplicaView(id=rid, url="", engine="sglang", models=frozenset({"m"}))
+        self.breaker = None
+
+
+def scheduler() -> Scheduler:
+    s = Scheduler(SchedulerConfig(), make_policy("least-load"), make_queue("fcfs"))
+    s.backlog = trained()
+    return s
+
+
+def peer_set(forward: str = "predicted") -> tuple[PeerSet, PeerTarget]:
+    eu = PeerTarget(PeerConfig("eu", "http://eu"), peer_status("eu"),
+                    ReplicaView(id="peer:eu", url="", engine="peer", region="eu"), handle="eu")
+    return PeerSet([eu], PeerRouter("nearest"), tau=2, stale_s=1.0, forward=forward), eu
+
+
+def admit(s: Scheduler, rid: str) -> None:
+    s.admit(QueueEntry(facts(rid=rid), enqueued_at=NOW, seq=int(rid[1:])), NOW)
+
+
+def test_scheduler_forwards_what_a_busy_local_replica_would_take_late():
+    s, local = scheduler(), Rep("a")
+    s.backlog.placed("old", "a", 8000, NOW)  # 4.6 s of prefill ahead on the only local replica
+    peers, eu = peer_set()
+    admit(s, "r1")
+    (p,) = s.schedule(NOW, [local], peers)
+    assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer")
+    assert eu.status.forwarded_since_status == 1 and list(eu.status.unseen) == [(NOW, "m", 1000)]
+    s.backlog.first_token("old", NOW + 4.6)  # the local replica caught up
+    admit(s, "r2")
+    (p,) = s.schedule(NOW + 4.6, [local], peers)
+    assert p.kind is Kind.REPLICA and s.backlog.ahead == {"a": 1000}  # its push is ahead now
+
+
+def test_scheduler_overflow_mode_and_an_unfitted_backlog_stay_local():
+    s, local = scheduler(), Rep("a")
+    s.backlog.placed("old", "a", 8000, NOW)
+    peers, _ = peer_set("overflow")
+    admit(s, "r1")
+    assert s.schedule(NOW, [local], peers)[0].kind is Kind.REPLICA
+    s = Scheduler(SchedulerConfig(), make_policy("least-load"), make_queue("fcfs"))  # nothing learned yet
+    s.backlog.placed("old", "a", 8000, NOW)
+    admit(s, "r1")
+    assert s.schedule(NOW, [local], peer_set()[0])[0].kind is Kind.REPLICA
+
+
+def test_advertise_offers_only_replicas_that_take_a_request_now():
+    s = scheduler()
+    free, full = Rep("a"), Rep("b")
+    full.view.pending = 2  # SP-P: an engine with its own queue takes nothing more
+    s.backlog.placed("x", "a", 700, NOW)
+    ad = s.advertise([free, full], NOW)
+    assert ad["m"]["ahead"] == [700] and ad["m"]["per_token_s"] == pytest.approx(PER_TOKEN, rel=1e-3)
+    assert Scheduler(SchedulerConfig(), make_policy("least-load"), make_queue("fcfs")).advertise([free], NOW) == {}
