@@ -131,6 +131,7 @@ def test_a_request_goes_where_it_starts_sooner_not_only_when_home_is_full(pair):
     us, eu = pair
     before = us.metric("lb_peer_forwards_total", peer="eu", outcome="ok")
     received = eu.metric("lb_peer_received_total", peer="us")
+    eu_forwards = eu.metric("lb_peer_forwards_total")  # warming up, eu may have sent some of its own
     pool, futures = busy(us)
     try:
         # us's replica still takes requests (SP-P: KV room, nothing waiting), yet this one
@@ -143,7 +144,7 @@ def test_a_request_goes_where_it_starts_sooner_not_only_when_home_is_full(pair):
         pool.shutdown()
     assert us.metric("lb_peer_forwards_total", peer="eu", outcome="ok") == before + 1
     assert eu.metric("lb_peer_received_total", peer="us") == received + 1
-    assert eu.metric("lb_peer_forwards_total") == 0  # a forwarded request is never forwarded again
+    assert eu.metric("lb_peer_forwards_total") == eu_forwards  # a forwarded request is never forwarded again
 
 
 def test_an_idle_home_keeps_its_requests_even_when_the_peer_is_idle_too(pair):
