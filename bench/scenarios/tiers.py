@@ -20,7 +20,7 @@ from bench.scenarios._fair import p, start_lb_toml
 DESCRIPTION = "SageServe tiers: IW-F/IW-N on Azure conv arrivals, FCFS vs EDF vs PF vs DPA (violations, Q3 TTFT)"
 ORDERS = ("fcfs", "edf", "pf", "dpa")
 TARGETS = {"iw-f": 0.5, "iw-n": 1.5}  # TTFT seconds, for the emulated engine's pace
-TIERS_TOML = ('[tiers]\ntau_n_s = 0.2\ntau_p_s = 2.0\n'
+TIERS_TOML = ('[tiers]\ntau_n_s = 0.2\n'
               + "".join(f'[tiers.targets.{t}]\nttft_s = {s}\ne2e_s = 60.0\n' for t, s in TARGETS.items()))
 
 

@@ -482,7 +482,8 @@ class SimLB:
 
 class _SimPeers(PeerSet):
     """The other regions' LBs as the daemon's peer probes would show them, fresh as of now.
-    Their statuses are built only when an entry has no local candidate (`targets`)."""
+    Their statuses are built only when an entry has no local candidate, or a local prediction
+    longer than the shortest round trip (`targets`)."""
 
     def __init__(self, lb: SimLB, now: float):
         super().__init__((), lb.peer_router, tau=lb.cfg.peer_queue_tau, stale_s=math.inf, forward=lb.cfg.peer_forward,
@@ -493,6 +494,9 @@ class _SimPeers(PeerSet):
         if self._targets is not None:
             return super().open(now)
         return any(peer.has_room() for _, peer in self.lb.peers)
+
+    def least_rtt_s(self) -> float | None:
+        return min((2 * latency for latency, _ in self.lb.peers), default=None)  # without building statuses
 
     @property
     def targets(self) -> list[PeerTarget]:

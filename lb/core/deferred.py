@@ -107,6 +107,16 @@ class DeferredQueue(StaticKeyQueue):
         return (now - entry.enqueued_at >= self.cfg.promote_after_s
                 or self.tiers.e2e_deadline(entry.facts) - now <= self.cfg.deadline_margin_s)
 
+    def release_round(self, now: float, *, queued: int, replicas: Iterable[ReplicaView],
+                      available: Callable[[ReplicaView], bool]) -> list[Release]:
+        """One admission round (every probe interval): work already waiting in the LB queue
+        (`queued` entries) means no spare capacity to hand out; else the region's effective
+        KV utilization decides. The daemon's gate and the simulator both call this."""
+        if not len(self):
+            return []
+        util = 1.0 if queued else effective_kv_utilization(replicas, available)
+        return self.release(now, util)
+
     def release(self, now: float, kv_utilization: float) -> list[Release]:
         """One signal: promoted entries, then up to 1-2 more by spare capacity."""
         out = [Release(e, True) for e in self.iter_in_order(now) if self.promoted(e, now)]

@@ -251,7 +251,12 @@ def dpa_class(tier: Tier, slack_s: float, tau_n_s: float, tau_p_s: float) -> int
     """SageServe DPA; slack = time left to the TTFT deadline. Past it by more than τp:
     severely expired, served first (it has waited far too long); past it by less: recently
     expired, served last (its SLO is lost while a live one can still be saved); under τn
-    left: urgent. NIW ranks as IW-N."""
+    left: urgent. NIW is urgent-normal: it reaches the LB queue only when the deferred queue
+    releases it (spare capacity, when the LB queue was empty; or its deadline near), so it
+    is due now; judged against an interactive TTFT deadline it would wait behind every live
+    request and, above capacity, miss its own deadline (sim-compare tiers, NIW on time)."""
+    if tier is Tier.NIW:
+        return URGENT_N
     if slack_s < -tau_p_s:
         return SEVERELY_EXPIRED
     if slack_s < 0:

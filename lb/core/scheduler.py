@@ -126,6 +126,11 @@ class PeerSet:
         self.predicted = forward == "predicted"  # also forward what a local replica would take, when a peer is faster
         self.margin_s = margin_s  # beyond the predictions' error
 
+    def least_rtt_s(self) -> float | None:
+        """The shortest measured round trip to any peer (None: none measured): no forward can
+        beat a local prediction shorter than that, so the targets need not be read."""
+        return min((p.status.rtt_s for p in self.targets if p.status.rtt_s is not None), default=None)
+
     def open(self, now: float) -> bool:
         """Could any peer take a request now? (lets a full LB skip walking its queue)"""
         return any(p.view.healthy and peer_available(p.status, "", tau=self.tau, now=now, stale_s=self.stale_s)
@@ -401,9 +406,9 @@ class Scheduler:
         local = self.backlog.predict(target.view.id, self._uncached(entry.facts))
         if local is None:  # no fit yet: Algorithm 1 alone
             return None
-        rtts = [p.status.rtt_s for p in peers.targets if p.status.rtt_s is not None]
+        rtt = peers.least_rtt_s()
         error = self.backlog.error_s or 0.0
-        if not rtts or local <= min(rtts) + error + peers.margin_s:
+        if rtt is None or local <= rtt + error + peers.margin_s:
             return None  # no peer could win by the margin even with nothing ahead there
         usable, exclude = self._usable_peers(entry, peers)
         d = predicted_peer(entry.facts, local_ttft=local, local_error=error,

@@ -12,6 +12,7 @@ pass-through on for it (`VLLM_PRIORITY_EXAMPLE` is a sensible one).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .types import RequestFacts, Tier
@@ -53,10 +54,14 @@ def parse_tier(value: str) -> Tier:
 class TierConfig:
     targets: dict = field(default_factory=lambda: dict(DEFAULT_TARGETS))
     default_tier: Tier = Tier.IW_N
-    # DPA: urgent when fewer than tau_n seconds remain to the TTFT deadline; severely
-    # expired when more than tau_p seconds past it.
+    # DPA: urgent when fewer than tau_n seconds remain to the TTFT deadline.
     tau_n_s: float = 0.5
-    tau_p_s: float = 5.0
+    # DPA: severely expired (served first) when more than tau_p seconds past it; inf (the
+    # default): never. Above capacity a backlog outlives any tau_p, and promoting expired
+    # work then makes DPA FCFS over lost causes while live requests expire too
+    # (docs/fairness.md, "Tiers in the simulator"). An expired request is served when no
+    # live one waits; `[queue] timeout_s` bounds its wait.
+    tau_p_s: float = math.inf
     # engine → tier → `priority` value sent upstream; engines not listed get no field.
     priority: dict = field(default_factory=lambda: {e: dict(m) for e, m in DEFAULT_PRIORITY.items()})
     priority_passthrough: bool = True
@@ -90,7 +95,7 @@ class TierConfig:
             targets=targets,
             default_tier=_tier_at(d.pop("default_tier", Tier.IW_N.value), f"{path}.default_tier"),
             tau_n_s=_nonneg(d.pop("tau_n_s", 0.5), f"{path}.tau_n_s"),
-            tau_p_s=_nonneg(d.pop("tau_p_s", 5.0), f"{path}.tau_p_s"),
+            tau_p_s=_nonneg(d.pop("tau_p_s", TierConfig.tau_p_s), f"{path}.tau_p_s"),
             priority=priority,
             priority_passthrough=bool(d.pop("priority_passthrough", True)),
         )
@@ -133,6 +138,6 @@ def _positive(v, path: str) -> float:
 
 
 def _nonneg(v, path: str) -> float:
-    if not isinstance(v, (int, float)) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
         raise ValueError(f"{path}: must be a number ≥ 0, got {v!r}")
     return float(v)

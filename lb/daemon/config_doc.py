@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import re
 import tomllib
 
@@ -47,6 +48,8 @@ def field_comments(cls: type, above_too: bool = True) -> dict[str, str]:
 def shown(value: object) -> str:
     if value is None:
         return "(unset)"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"  # as TOML writes it
     return json.dumps(value, ensure_ascii=False)  # true/false, "strings", [lists], {tables}
 
 

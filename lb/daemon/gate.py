@@ -27,7 +27,7 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
 from lb.core.admission import NO_CAPACITY, Admission, RegionLoad, judge, tokens_of
-from lb.core.deferred import DeferredQueue, effective_kv_utilization
+from lb.core.deferred import DeferredQueue
 from lb.core.tiers import engine_priority
 from lb.core.types import QueueEntry, RequestFacts, Tier
 from lb.daemon.errors import LBError
@@ -110,10 +110,8 @@ class Gate:
         self.fairness.rate.tick(now, busy)
         self.fairness.overload.observe(now, len(queue), any_available)  # not only on arrivals
         if len(self.deferred):
-            # Work already waiting in the LB queue means there is no spare capacity to hand out.
-            util = 1.0 if len(queue) else effective_kv_utilization((r.view for r in active),
-                                                                     self.dispatcher.available)
-            for rel in self.deferred.release(now, util):
+            for rel in self.deferred.release_round(now, queued=len(queue), replicas=[r.view for r in active],
+                                                   available=self.dispatcher.available):
                 self.released.labels("promoted" if rel.promoted else "capacity").inc()
                 if not rel.entry.payload.done():
                     rel.entry.payload.set_result(None)

@@ -95,3 +95,15 @@ def test_a_replica_the_pushing_mode_would_not_push_to_counts_as_full():
     views = [ReplicaView("a", "u", kv_usage=0.2), ReplicaView("b", "u", kv_usage=0.2, running=8)]
     assert effective_kv_utilization(views) == pytest.approx(0.2)
     assert effective_kv_utilization(views, available=lambda v: v.running < 8) == pytest.approx(0.6)
+
+
+def test_a_release_round_hands_out_nothing_while_the_lb_queue_holds_work():
+    q = DeferredQueue(CFG, TIERS)
+    for i in range(3):
+        q.push(niw(f"r{i}", t=float(i)))
+    idle = [ReplicaView("a", "u", kv_usage=0.1)]
+    assert q.release_round(10.0, queued=1, replicas=idle, available=lambda v: True) == []  # no spare capacity
+    assert ids(q.release_round(10.0, queued=0, replicas=idle, available=lambda v: True)) == ["r0", "r1"]
+    assert q.release_round(10.0, queued=0, replicas=idle, available=lambda v: False) == []  # nothing would take it
+    # a deadline near is released whatever the load
+    assert ids(q.release_round(3600.0 - 200.0, queued=5, replicas=idle, available=lambda v: False)) == ["r2"]

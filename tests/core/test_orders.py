@@ -59,11 +59,19 @@ def test_pf_puts_every_iw_f_strictly_before_iw_n_and_niw_last():
 @pytest.mark.parametrize("tier,slack,cls", [
     (F, -3.5, SEVERELY_EXPIRED), (N, -10.0, SEVERELY_EXPIRED),
     (F, 0.2, URGENT_F), (N, 0.49, URGENT_N), (B, 0.1, URGENT_N),
+    # NIW reaches the LB queue only when the deferred queue releases it: due now, whatever its slack
+    (B, 3000.0, URGENT_N), (B, -10.0, URGENT_N),
     (F, 0.5, RELAXED_F), (N, 4.0, RELAXED_N),
     (F, -0.1, RECENTLY_EXPIRED), (N, -3.0, RECENTLY_EXPIRED),
 ])
 def test_dpa_classes(tier, slack, cls):
     assert dpa_class(tier, slack, tau_n_s=0.5, tau_p_s=3.0) == cls
+
+
+def test_dpa_never_promotes_expired_work_by_default():
+    """Above capacity promotion makes DPA FCFS over lost causes; `[queue] timeout_s` bounds the wait."""
+    assert dpa_class(N, -1e6, tau_n_s=0.5, tau_p_s=TierConfig().tau_p_s) == RECENTLY_EXPIRED
+    assert TierConfig.from_dict({}).tau_p_s == float("inf")
 
 
 def test_dpa_serves_classes_in_sageserve_order_and_moves_with_the_clock():
