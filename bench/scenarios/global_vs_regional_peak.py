@@ -19,15 +19,16 @@ all, no forwarding); global searches the total, spread evenly over the regions, 
 SkyWalker forwarding (peer with an available replica and an empty queue, 75 ms one way).
 Both fleets are static and reserved ahead, so cold-start waste is 0.
 
-Pushing mode matters, so there are two global variants. With SP-pending (`global`, the
-same LB settings as `regional`) a replica counts as available while its KV has room, so the
-LB almost never holds a request, SkyWalker's forwarding rule (nothing local available)
-never fires — measured: 0 requests forwarded at 11 replicas per region — and the misses at
-us's peak happen inside replicas whose batches are already too full for the TTFT budget.
-`global-held` holds work at the LB instead (SP-outstanding, at most 6 outstanding per
-replica): at 11 per region us's attainment is 0.706 without forwarding and 0.970 with it
-(1,528 requests forwarded). Each variant is compared with its best setting: regional peaks
-with SP-pending (holding requests without forwarding only hurts it), global with either.
+Two global variants. `global` runs the same LB settings as `regional` (SP-pending) with the
+daemon's default forwarding by predicted TTFT (`[peering] forward = "predicted"`): a replica
+stays available while its KV has room, so SkyWalker's Algorithm 1 alone (forward only what
+no local replica can take) hardly fires — measured on the quick window at 5 replicas per
+region: us's attainment 0.667 without forwarding, 0.788 with Algorithm 1 alone (701
+forwarded), 0.953 with predicted forwarding (8,704 of 27,852). `global-held` holds work at
+the LB instead (SP-outstanding, at most 6 outstanding per replica), the way Algorithm 1 was
+made to fire before predicted forwarding existed. Each variant is compared with its best
+setting: regional peaks with SP-pending (holding requests without forwarding only hurts
+it), global with either.
 """
 from __future__ import annotations
 
