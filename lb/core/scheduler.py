@@ -414,15 +414,16 @@ class Scheduler:
         d = predicted_peer(entry.facts, local_ttft=local, local_error=error,
                            peers=[(p.config, p.status) for p in usable], router=peers.router, tau=peers.tau,
                            now=now, stale_s=peers.stale_s, margin_s=peers.margin_s, exclude=exclude)
-        return self._forward(entry, usable, d, peers, now) if d.kind == "peer" else None
+        # "peer-faster": a local replica would have taken it (`peer`: none could)
+        return self._forward(entry, usable, d, peers, now, "peer-faster") if d.kind == "peer" else None
 
     def _forward(self, entry: QueueEntry, usable: list[PeerTarget], d: PeerDecision, peers: PeerSet,
-                 now: float) -> Placement:
+                 now: float, reason: str = "peer") -> Placement:
         facts = entry.facts
         peer = next(p for p in usable if p.config.region == d.region)
         self._take(entry)
         peer.status.forwarded(now, facts.model, max(1, facts.prompt_tokens))
         record_push(peer.view, 0, now)
         peers.router.observe(facts, d.region, now)
-        return Placement(entry, Kind.PEER, peer.handle, peer.view.id, "peer", now - entry.enqueued_at,
+        return Placement(entry, Kind.PEER, peer.handle, peer.view.id, reason, now - entry.enqueued_at,
                          residency_blocked=d.residency_blocked)

@@ -201,7 +201,7 @@ def test_scheduler_forwards_what_a_busy_local_replica_would_take_late():
     peers, eu = peer_set()
     admit(s, "r1")
     (p,) = s.schedule(NOW, [local], peers)
-    assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer")
+    assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer-faster")
     assert eu.status.forwarded_since_status == 1 and list(eu.status.unseen) == [(NOW, "m", 1000)]
     s.backlog.first_token("old", NOW + 4.6)  # the local replica caught up
     admit(s, "r2")

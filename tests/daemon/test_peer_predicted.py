@@ -132,6 +132,7 @@ def test_a_request_goes_where_it_starts_sooner_not_only_when_home_is_full(pair):
     before = us.metric("lb_peer_forwards_total", peer="eu", outcome="ok")
     received = eu.metric("lb_peer_received_total", peer="us")
     eu_forwards = eu.metric("lb_peer_forwards_total")  # warming up, eu may have sent some of its own
+    faster = us.metric("lb_routing_decisions_total", reason="peer-faster")
     pool, futures = busy(us)
     try:
         # us's replica still takes requests (SP-P: KV room, nothing waiting), yet this one
@@ -143,6 +144,8 @@ def test_a_request_goes_where_it_starts_sooner_not_only_when_home_is_full(pair):
         assert all(f.result(timeout=60) == us.emu_id for f in futures)  # the long prompts stayed home
         pool.shutdown()
     assert us.metric("lb_peer_forwards_total", peer="eu", outcome="ok") == before + 1
+    # the decision says why: a local replica would have taken it, the peer was predicted faster
+    assert us.metric("lb_routing_decisions_total", reason="peer-faster") == faster + 1
     assert eu.metric("lb_peer_received_total", peer="us") == received + 1
     assert eu.metric("lb_peer_forwards_total") == eu_forwards  # a forwarded request is never forwarded again
 
