@@ -107,6 +107,54 @@ class LoadScorer(Part):
         return [-load(view) for view in candidates]
 
 
+class SpeedLoadScorer(Part):
+    """Least load, weighted by each replica's speed as learned from its answers: score
+    −(load + 1) × (its step ÷ the candidates' typical step), so with equal loads the faster
+    replica wins, and a 2× slower one is chosen over a fast one only when the fast one
+    carries about twice its work. Replicas differ in hardware and engines; nothing here
+    depends on a profile's constants.
+
+    A replica's speed is the floor of its inter-token times ((e2e − TTFT) / (output − 1) per
+    answer): the fastest step it showed recently, which is its hardware's pace at a light
+    batch; the batch's own effect is already in `load`, and an average would count it twice.
+    The floor drifts up 1 % per answer, so a replica that became slower is seen within ~100
+    answers. Speeds within a factor of 1.5 of the typical count as equal: identical replicas'
+    floors differ by noise, and acting on it unbalanced homogeneous fleets in the simulator
+    (bursty at 1.1× capacity, p90 1,918 → 2,126 ms with no dead band). Without samples it is
+    plain least load. Measured (`sim-compare heterogeneous`, 5 seeds, lb default): TTFT p90
+    −9 to −15 % at 0.7-1.1× capacity, throughput level or +4 %; tot, mixed-tree, multiturn,
+    bursty and regions unchanged within the seeds (docs/results.md)."""
+
+    DRIFT = 1.01  # the floor's rise per answer
+    BAND = 1.5  # speeds within this factor of the typical count as equal
+
+    def __init__(self) -> None:
+        self.floor: dict[str, float] = {}  # target → its fastest recent inter-token time, s
+
+    def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list:
+        known = sorted(self.floor[v.id] for v in candidates if v.id in self.floor)
+        if not known:
+            return [-load(view) for view in candidates]
+        typical = known[len(known) // 2]
+
+        def pace(view: ReplicaView) -> float:
+            f = self.floor.get(view.id, typical) / typical
+            return 1.0 if 1 / self.BAND < f < self.BAND else f
+
+        return [-(load(view) + 1) * pace(view) for view in candidates]
+
+    def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
+               output_tokens: int, now: float) -> None:
+        if ttft_s is None or e2e_s is None or output_tokens < 2 or e2e_s <= ttft_s:
+            return
+        step = (e2e_s - ttft_s) / (output_tokens - 1)
+        old = self.floor.get(target_id)
+        self.floor[target_id] = step if old is None else min(old * self.DRIFT, step)
+
+    def forget(self, target_id: str) -> None:
+        self.floor.pop(target_id, None)
+
+
 class PrefixScorer(Part):
     """Longest prefix match among *available* targets (SkyWalker); below `min_match_ratio`
     of the prompt every candidate scores 0 and the next scorer (load) decides."""
@@ -318,9 +366,10 @@ def prefix_trie(
     block_chars: int = DEFAULT_BLOCK_CHARS,
     isolate_tenants: bool = False,
 ) -> ComposedPolicy:
-    """SkyWalker: longest available prefix match; least load breaks ties and weak matches."""
+    """SkyWalker: longest available prefix match; least load, weighted by each replica's
+    learned speed, breaks ties and weak matches."""
     scorer = PrefixScorer(PrefixTrie(max_nodes), min_match_ratio=min_match_ratio, block_chars=block_chars, isolate_tenants=isolate_tenants)
-    return ComposedPolicy("prefix-trie", scorers=[scorer, LoadScorer()], rng=rng)
+    return ComposedPolicy("prefix-trie", scorers=[scorer, SpeedLoadScorer()], rng=rng)
 
 
 def predicted_ttft(

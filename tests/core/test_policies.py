@@ -97,6 +97,35 @@ def test_prefix_trie_equal_matches_break_by_load_then_randomly():
     assert min(picks.values()) > 60
 
 
+def answered(policy, target: str, step_s: float, tokens: int = 11, rid: str = "a") -> None:
+    """`target` answered a request of `tokens` output tokens at `step_s` per token."""
+    policy.served(req(rid=rid), target, 0.1, 0.1 + step_s * (tokens - 1), tokens, 0.0)
+
+
+def test_prefix_trie_ties_go_to_the_replica_it_learned_is_faster():
+    policy = make_policy("prefix-trie", seed=3)
+    vs = views(3)
+    answered(policy, "r0", 0.02)
+    answered(policy, "r1", 0.02)
+    answered(policy, "r1", 0.04, rid="b")  # one slow answer (a big batch) leaves r1's floor where it was
+    answered(policy, "r2", 0.05)  # r2 is 2.5x slower than the typical replica
+    picks = Counter(policy.choose(req(rid=str(k)), vs, 1.0) for k in range(200))
+    assert set(picks) == {"r0", "r1"}  # equal load: never the slow one
+    vs[0].outstanding, vs[1].outstanding = 2, 2  # (2 + 1) x 1 = 3 > (0 + 1) x 2.5
+    assert policy.choose(req(rid="x"), vs, 1.0) == "r2"
+    assert policy.last.reason == "load"
+
+
+def test_prefix_trie_treats_speeds_within_the_band_as_equal_and_learns_nothing_from_one_token():
+    policy = make_policy("prefix-trie", seed=5)
+    vs = views(2)
+    answered(policy, "r0", 0.020)
+    answered(policy, "r1", 0.028)  # 1.4x: noise between identical replicas, not hardware
+    answered(policy, "r0", 0.001, tokens=1)  # no inter-token time in a one-token answer
+    vs[0].outstanding = 1
+    assert all(policy.choose(req(rid=str(k)), vs, 1.0) == "r1" for k in range(20))  # plain least load
+
+
 def test_prefix_trie_forget_and_bound():
     policy = make_policy("prefix-trie", seed=1, max_nodes=5)
     vs = views(2)
