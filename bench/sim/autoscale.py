@@ -3,12 +3,13 @@ the simulator actuates by starting instances (ready after a cold or warm start) 
 them (billed until their last request ends).
 
 Signals per region×model, every `interval_s`:
-- kv_usage: effective KV utilisation = (KV in use on ready replicas + prompt tokens waiting
-  in the LB queue for the model) / KV capacity of the ready *and starting* replicas
-  (SageServe's "effective memory": queued work counts; capacity already on its way counts
-  too, or the signal stays high through a whole 5-minute cold start and the reactive
-  rule's 15-s cooldown asks for 20 more instances per start — measured: a 4-replica
-  pool at a fifth of its capacity grew to ~9 on average);
+- kv_usage: the daemon's own `lb.core.scaling.pool_kv_usage` over the LB's probed views of
+  the ready replicas (KV in use, a replica with its own queue or no push headroom counting
+  full, plus the prompt tokens waiting in the LB queue, over the KV of the ready *and
+  starting* replicas: capacity already on its way counts, or the signal stays high through
+  a whole 5-minute cold start and the reactive rule's 15-s cooldown asks for 20 more
+  instances per start — measured: a 4-replica pool at a fifth of its capacity grew to ~9
+  on average);
 - planned: PreServe's N = max(P/μp, D/μd, (P+D)/μt) (`lb.core.planner.preserve_instances`)
   for this window's forecast prompt/output tokens = forecast requests × the mean request
   shape. The forecast (`[scaling] forecast`) is the daemon's Holt-Winters
@@ -31,7 +32,7 @@ from bench.sim.arrivals import WINDOW_S, WINDOWS_PER_DAY
 from bench.sim.model import SimReplica
 from lb.core.forecast import ape_stats, forecast
 from lb.core.planner import Throughput, WindowStats, preserve_instances, profile_throughput
-from lb.core.scaling import ScalingSignals, make_strategy
+from lb.core.scaling import ScalingSignals, make_strategy, pool_kv_usage
 
 SIGNAL_PARAMS = ("mu_prefill", "mu_decode", "mu_total")
 
@@ -134,9 +135,10 @@ class Autoscaler:
         starting = len(pool) - len(ready)
         lb = self.sim.lbs[region]
         queued = lb.scheduler.waiting_tokens(model)
+        lb.refresh(now, [model])  # the views as of the last probe, as the daemon's are
+        kv = pool_kv_usage([r.view for r in ready], starting=starting, queued_tokens=queued, available=lb.available)
         cap = sum(r.engine.profile.kv_tokens for r in pool)
         used = sum(r.engine.probe()[2] * r.engine.profile.kv_tokens for r in ready)
-        kv = (used + queued) / cap if cap else (1.0 if queued else 0.0)
         planned, forecast = self.planned(region, model, now)
         key = (region, model)
         last = self.windows[key][-1] if self.windows[key] else None

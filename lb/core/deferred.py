@@ -60,13 +60,18 @@ class DeferredConfig:
         return cfg
 
 
+def replica_kv_load(r: ReplicaView, available: Callable[[ReplicaView], bool] | None = None) -> float:
+    """One replica's share of KV in use, 0..1: its probed KV usage, or full when requests wait
+    in its own queue or the pushing mode would not push to it (`available`): it takes nothing
+    more whatever its KV says."""
+    return 1.0 if r.pending > 0 or (available is not None and not available(r)) else r.kv_usage
+
+
 def effective_kv_utilization(replicas: Iterable[ReplicaView],
                              available: Callable[[ReplicaView], bool] | None = None) -> float:
-    """Mean KV usage of the healthy, non-draining replicas; a replica with requests waiting
-    in its own queue, or one the pushing mode would not push to (`available`), counts as
-    full. No such replica: 1.0 (release nothing)."""
-    usages = [1.0 if r.pending > 0 or (available is not None and not available(r)) else r.kv_usage
-              for r in replicas if r.healthy and not r.draining]
+    """Mean `replica_kv_load` of the healthy, non-draining replicas. No such replica: 1.0
+    (release nothing)."""
+    usages = [replica_kv_load(r, available) for r in replicas if r.healthy and not r.draining]
     return sum(usages) / len(usages) if usages else 1.0
 
 

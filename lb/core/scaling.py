@@ -30,7 +30,7 @@ from typing import Callable, Protocol, Sequence
 WINDOW_S = 600.0
 
 from lb.core.anticipator import LoadAwarePolicy
-from lb.core.deferred import effective_kv_utilization
+from lb.core.deferred import replica_kv_load
 from lb.core.types import QueueEntry, ReplicaView
 
 
@@ -41,7 +41,7 @@ class ScalingSignals:
     region: str
     model: str
     replicas: int  # instances serving or starting
-    kv_usage: float = 0.0  # effective KV utilisation over ready replicas, 0..1 (queued tokens count)
+    kv_usage: float = 0.0  # effective KV utilisation over ready + starting replicas (`pool_kv_usage`)
     starting: int = 0  # instances started but not ready yet
     planned: int | None = None  # this window's target from the ILP / PreServe N
     forecast_tps: float | None = None  # forecast tokens/s for this window
@@ -63,19 +63,48 @@ def p95(values: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def kv_tokens_per_replica(ready: Sequence[ReplicaView]) -> float | None:
+    """A replica's KV capacity in tokens, as its probes imply (free tokens / free share; SGLang's
+    and vLLM's load endpoints give both); the largest seen, None when no probe says."""
+    sizes = [v.kv_free_tokens / (1.0 - v.kv_usage) for v in ready
+             if v.kv_free_tokens is not None and v.kv_usage < 0.99]
+    return max(sizes) if sizes else None
+
+
+def pool_kv_usage(ready: Sequence[ReplicaView], *, starting: int, queued_tokens: int,
+                  available: Callable[[ReplicaView], bool] | None = None) -> float:
+    """A pool's effective KV utilisation for scaling (SageServe's "effective memory"): the KV
+    its ready replicas use (`replica_kv_load`: one with a queue of its own counts as full)
+    plus the prompt tokens waiting in the LB queue, over the KV of its ready *and starting*
+    replicas. Capacity on its way counts: divided by the ready ones only, the signal stays
+    high through a whole cold start and a 15 s cooldown asks for one more instance every
+    15 s (in the simulator a 4-replica pool at a fifth of its capacity grew to ~9 on
+    average). Waiting work a pool's probes give no KV size for counts as one full replica
+    when no ready replica can take it. May exceed 1: work beyond the pool's KV."""
+    loads = [replica_kv_load(v, available) for v in ready if v.healthy and not v.draining]
+    size = kv_tokens_per_replica(ready)
+    if size:
+        waiting = queued_tokens / size
+    else:
+        waiting = 1.0 if queued_tokens and all(load >= 1.0 for load in loads) else 0.0
+    slots = len(loads) + starting
+    if not slots:
+        return 1.0 if queued_tokens else 0.0
+    return (sum(loads) + waiting) / slots
+
+
 def pool_signals(region: str, model: str, *, replicas: int, ready: Sequence[ReplicaView], starting: int,
                  queued: Sequence[QueueEntry], available: Callable[[ReplicaView], bool],
                  recent_waits: Sequence[float], tracker: LoadAwarePolicy, observed_tps: float,
                  forecast_tps: float | None, planned: int | None, now: float) -> ScalingSignals:
-    """One (region, model) pool described from what the LB already knows: its `ready`
-    replicas' probed KV (a replica with a queue of its own counts as full), the entries of
-    this model waiting in the LB queue (work waiting that nothing can take means no spare
-    capacity at all), the queue waits of recent dispatches plus the ages of those waiting,
-    tokens in flight (the anticipator's queued prefill and predicted remaining decode, plus
-    the queued prompts and their predicted outputs), and the measured and forecast tokens/s."""
-    kv = effective_kv_utilization(ready)
-    if queued and not any(available(v) for v in ready):
-        kv = 1.0
+    """One (region, model) pool described from what the LB already knows: `pool_kv_usage`
+    over its `ready` replicas' probes, the `starting` ones and the entries of this model
+    waiting in the LB queue, the queue waits of recent dispatches plus the ages of those
+    waiting, tokens in flight (the anticipator's queued prefill and predicted remaining
+    decode, plus the queued prompts and their predicted outputs), and the measured and
+    forecast tokens/s."""
+    kv = pool_kv_usage(ready, starting=starting, queued_tokens=sum(e.facts.prompt_tokens for e in queued),
+                       available=available)
     ages = [*recent_waits, *(now - e.enqueued_at for e in queued)]
     predict = tracker.length_model.predict
     in_flight = sum(tracker.load(v.id).queued_prefill() + tracker.load(v.id).remaining_decode() for v in ready)
@@ -129,11 +158,11 @@ def overflow_fraction(anticipated: Sequence[Sequence[float]], threshold: float =
 def desired_replicas(signals: ScalingSignals, target_kv: float = 0.7, min_replicas: int = 1,
                      max_replicas: int = 64) -> int:
     """Stateless desired count: enough replicas to bring KV utilisation to `target_kv`
-    (HPA's ceil(current·metric/target)), never below the plan."""
-    ready = max(0, signals.replicas - signals.starting)
-    load = ready * signals.kv_usage
+    (HPA's ceil(current·metric/target); the metric already spreads the load over ready and
+    starting replicas), never below the plan."""
+    load = signals.replicas * signals.kv_usage
     need = math.ceil(load / target_kv - 1e-9) if load > 0 else 0
-    if ready == 0 and signals.tokens_in_flight > 0:
+    if signals.replicas == signals.starting and signals.tokens_in_flight > 0:
         need = max(need, 1)
     return max(min_replicas, min(max_replicas, max(need, signals.planned or 0)))
 

@@ -271,7 +271,7 @@ class _CapacityCollector:
         g = {
             "desired": GaugeMetricFamily("lb_desired_replicas", "Replicas the capacity loop wants per pool", labels=labels),
             "replicas": GaugeMetricFamily("lb_pool_replicas", "Active replicas per pool (ready or starting)", labels=labels),
-            "kv": GaugeMetricFamily("lb_pool_effective_kv_usage", "Mean KV usage of ready replicas; a queued replica counts full", labels=labels),
+            "kv": GaugeMetricFamily("lb_pool_effective_kv_usage", "KV in use on ready replicas (one with its own queue counts full) plus LB-queued prompts, over ready and starting replicas", labels=labels),
             "p95": GaugeMetricFamily("lb_queue_latency_p95_seconds", "p95 of LB-queue waits over the signal window, waiting requests included", labels=labels),
             "flight": GaugeMetricFamily("lb_tokens_in_flight", "Queued prefill + predicted remaining decode tokens", labels=labels),
             "observed": GaugeMetricFamily("lb_observed_tokens_per_s", "Prompt + output tokens/s completed over the signal window", labels=labels),

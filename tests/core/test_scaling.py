@@ -122,7 +122,7 @@ def test_desired_replicas_is_stateless_hpa_style():
     assert desired_replicas(sig(4, 0.9)) == 6  # ceil(4·0.9/0.7)
     assert desired_replicas(sig(4, 0.1)) == 1
     assert desired_replicas(sig(4, 0.1, planned=3)) == 3
-    assert desired_replicas(sig(5, 0.9, starting=1)) == 6  # starting ones carry no load yet
+    assert desired_replicas(sig(5, 0.84, starting=1)) == 6  # 4.2 replicas of work, spread over 5 (one starting)
     assert desired_replicas(sig(0, 0.0, tokens_in_flight=10), min_replicas=0) == 1
     assert desired_replicas(sig(50, 1.0), max_replicas=64) == 64
 
@@ -146,9 +146,48 @@ def test_pool_signals_count_waiting_work_and_a_pool_that_cannot_take_it_as_full(
     kw = dict(replicas=3, ready=ready, starting=1, recent_waits=[0.1] * 20, tracker=LoadAwarePolicy(),
               observed_tps=50.0, forecast_tps=None, planned=None, now=100.0)
     idle = pool_signals("r", "m", queued=[], available=lambda v: True, **kw)
-    assert abs(idle.kv_usage - 0.3) < 1e-9
+    assert abs(idle.kv_usage - 0.2) < 1e-9  # (0.2 + 0.4) over 2 ready + 1 starting
     assert idle.queue_p95_s == 0.1 and idle.tokens_in_flight == 0
     stuck = pool_signals("r", "m", queued=queued, available=lambda v: False, **kw)
     assert stuck.kv_usage == 1.0  # work waits and nothing can take it: no spare capacity
     assert stuck.queue_p95_s == 10.0  # the waiting entries' ages count
     assert stuck.tokens_in_flight >= 3 * 100 and (stuck.replicas, stuck.starting) == (3, 1)
+
+
+def test_pool_kv_usage_counts_waiting_prompts_by_the_replicas_kv_size():
+    from lb.core.scaling import pool_kv_usage
+    from lb.core.types import ReplicaView
+
+    # SGLang's /v1/loads: 20 % used, 8,000 tokens free -> 10,000 tokens of KV per replica
+    ready = [ReplicaView(id="a", url="", kv_usage=0.2, kv_free_tokens=8000),
+             ReplicaView(id="b", url="", kv_usage=0.4, kv_free_tokens=6000)]
+    assert pool_kv_usage(ready, starting=0, queued_tokens=0) == pytest.approx(0.3)
+    assert pool_kv_usage(ready, starting=0, queued_tokens=5000) == pytest.approx(0.55)
+    assert pool_kv_usage(ready, starting=2, queued_tokens=5000) == pytest.approx(0.275)
+    # a replica with a queue of its own takes nothing more: full
+    ready[1].pending = 3
+    assert pool_kv_usage(ready, starting=0, queued_tokens=0) == pytest.approx(0.6)
+    assert pool_kv_usage([], starting=0, queued_tokens=10) == 1.0
+    assert pool_kv_usage([], starting=2, queued_tokens=0) == 0.0
+
+
+def test_reactive_rule_on_the_daemons_signals_waits_for_a_cold_start():
+    """The daemon's signals spread the load over starting replicas: a pool at 80 % KV gets
+    one more replica and then waits for it through a 5-minute cold start, instead of asking
+    for one more every 15 s cooldown."""
+    from lb.core.anticipator import LoadAwarePolicy
+    from lb.core.scaling import pool_signals
+    from lb.core.types import ReplicaView
+
+    strategy = make_strategy("reactive", min_replicas=1, max_replicas=20)
+    ready = [ReplicaView(id=f"r{i}", url="", kv_usage=0.8) for i in range(2)]
+    starting, decisions = 0, []
+    for step in range(60):  # every 5 s for 5 minutes; nothing becomes ready
+        s = pool_signals("us", "m", replicas=len(ready) + starting, ready=ready, starting=starting, queued=[],
+                         available=lambda v: True, recent_waits=[], tracker=LoadAwarePolicy(),
+                         observed_tps=0.0, forecast_tps=None, planned=None, now=step * 5.0)
+        d = strategy.decide(s, now=step * 5.0)
+        starting += d.delta
+        decisions.append(d.desired)
+    assert decisions[0] == 3 and starting == 1  # 1.6 replicas of work over 3: 0.53, below 70 %
+    assert max(decisions) == 3
