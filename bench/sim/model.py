@@ -498,6 +498,22 @@ class _SimPeers(PeerSet):
     def least_rtt_s(self) -> float | None:
         return min((2 * latency for latency, _ in self.lb.peers), default=None)  # without building statuses
 
+    def fastest_possible_s(self, model: str, tokens: float, local_error: float) -> float | None:
+        """Each peer's best case from its fit alone (nothing ahead there), computed as
+        `lb.core.peering.predicted_peer` adds it up from the advert the status would carry, so
+        a request this rules out would not have been forwarded: statuses are built only when
+        some peer could win."""
+        best = None
+        for latency, peer in self.lb.peers:
+            backlog = peer.scheduler.backlog
+            fit = backlog.fit()
+            if fit is None:
+                continue  # no advert there: no prediction, no forward
+            ttft = round(fit[0], 6) + fit[1] * (0 + tokens)
+            bound = 2 * latency + ttft + math.hypot(local_error, round(backlog.error_s or 0.0, 6))
+            best = bound if best is None else min(best, bound)
+        return best
+
     @property
     def targets(self) -> list[PeerTarget]:
         if self._targets is None:

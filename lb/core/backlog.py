@@ -55,6 +55,7 @@ class Backlog:
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # EW sums of the fit
         self.samples = 0
         self._error: float | None = None  # EW mean |observed − predicted| TTFT, s
+        self._fit: tuple[int, tuple[float, float] | None] = (-1, None)  # (samples it was fitted at, fit)
 
     # -- what happens to pushes ---------------------------------------------------------
     def placed(self, request_id: str, target_id: str, tokens: float, now: float) -> None:
@@ -107,7 +108,13 @@ class Backlog:
 
     # -- predictions ----------------------------------------------------------------------
     def fit(self) -> tuple[float, float] | None:
-        """(base s, per-token s) of the line through the samples; None before `min_samples`."""
+        """(base s, per-token s) of the line through the samples; None before `min_samples`.
+        Computed once per sample (every prediction and advert reads it)."""
+        if self._fit[0] != self.samples:
+            self._fit = (self.samples, self._line())
+        return self._fit[1]
+
+    def _line(self) -> tuple[float, float] | None:
         if self.samples < self.min_samples or self._w <= 0:
             return None
         mx, my = self._x / self._w, self._y / self._w

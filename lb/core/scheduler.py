@@ -127,9 +127,17 @@ class PeerSet:
         self.margin_s = margin_s  # beyond the predictions' error
 
     def least_rtt_s(self) -> float | None:
-        """The shortest measured round trip to any peer (None: none measured): no forward can
-        beat a local prediction shorter than that, so the targets need not be read."""
+        """The shortest measured round trip to any peer (None: none measured)."""
         return min((p.status.rtt_s for p in self.targets if p.status.rtt_s is not None), default=None)
+
+    def fastest_possible_s(self, model: str, tokens: float, local_error: float) -> float | None:
+        """A lower bound on what any peer could offer a request: round trip, plus predicted
+        TTFT there, plus the two predictions' combined error (None: no peer measured). No
+        forward can beat a local prediction below it, so the targets need not be read. Here
+        the least round trip; a caller that builds its targets on demand (the simulator)
+        bounds tighter without building them."""
+        rtt = self.least_rtt_s()
+        return None if rtt is None else rtt + local_error
 
     def open(self, now: float) -> bool:
         """Could any peer take a request now? (lets a full LB skip walking its queue)"""
@@ -406,9 +414,9 @@ class Scheduler:
         local = self.backlog.predict(target.view.id, self._uncached(entry.facts))
         if local is None:  # no fit yet: Algorithm 1 alone
             return None
-        rtt = peers.least_rtt_s()
         error = self.backlog.error_s or 0.0
-        if rtt is None or local <= rtt + error + peers.margin_s:
+        bound = peers.fastest_possible_s(entry.facts.model, max(1, entry.facts.prompt_tokens), error)
+        if bound is None or local <= bound + peers.margin_s:
             return None  # no peer could win by the margin even with nothing ahead there
         usable, exclude = self._usable_peers(entry, peers)
         d = predicted_peer(entry.facts, local_ttft=local, local_error=error,

@@ -99,3 +99,34 @@ def test_a_scenario_without_overrides_runs_the_daemons_default_config():
     # WSC and tier settings left unset mean the order's defaults, which are the daemon's
     assert WeightedService().cfg == FairnessConfig().wsc == daemon.fairness.wsc
     assert TierConfig() == daemon.tiers
+
+
+def test_the_simulators_peer_bound_never_rules_out_a_peer_that_could_win():
+    """`_SimPeers.fastest_possible_s` lets a pass skip building peer statuses: it must be at
+    or below what `predicted_peer` adds up from any advert a status could carry."""
+    import math
+
+    from bench.sim.compare import make_arena
+    from bench.sim.model import _SimPeers
+    from bench.sim.workloads_sim import get
+    from lb.core.backlog import remote_ttft
+
+    arena = make_arena("regions", "lb", 0)
+    get("regions").drive(arena, seed=0, rate_rps=60.0, stop_at=40.0)
+    checked = 0
+    for stop in (20.0, 30.0, 40.0):
+        arena.loop.run(stop)
+        now = arena.loop.now
+        for lb in arena.fronts.values():
+            peers = _SimPeers(lb, now)
+            for latency, peer in lb.peers:
+                adverts = peer.scheduler.advertise(list(peer.replicas.values()), now)
+                for model, advert in adverts.items():
+                    for tokens in (1, 300, 3000):
+                        for error in (0.0, 0.05):
+                            bound = peers.fastest_possible_s(model, tokens, error)
+                            best = remote_ttft(advert, tokens)
+                            assert bound is not None and best is not None
+                            assert bound <= 2 * latency + best + math.hypot(error, advert["error_s"])
+                            checked += 1
+    assert checked > 0
