@@ -36,6 +36,7 @@ from bench.profiles import Profile
 from bench.sim.core import EventLoop
 from bench.sim.fastengine import DecodeRun, FastEngine
 from bench.sim.metrics import Metrics
+from lb.core.backlog import forward_cost
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
@@ -499,20 +500,15 @@ class _SimPeers(PeerSet):
         return min((2 * latency for latency, _ in self.lb.peers), default=None)  # without building statuses
 
     def fastest_possible_s(self, model: str, tokens: float, local_error: float) -> float | None:
-        """Each peer's best case from its fit alone (nothing ahead there), computed as
-        `lb.core.peering.predicted_peer` adds it up from the advert the status would carry, so
-        a request this rules out would not have been forwarded: statuses are built only when
-        some peer could win."""
-        best = None
+        """Each peer's best case from its fit alone (`Backlog.best_case`: nothing ahead there),
+        so a request this rules out would not have been forwarded: statuses are built only
+        when some peer could win."""
+        bounds = []
         for latency, peer in self.lb.peers:
-            backlog = peer.scheduler.backlog
-            fit = backlog.fit()
-            if fit is None:
-                continue  # no advert there: no prediction, no forward
-            ttft = round(fit[0], 6) + fit[1] * (0 + tokens)
-            bound = 2 * latency + ttft + math.hypot(local_error, round(backlog.error_s or 0.0, 6))
-            best = bound if best is None else min(best, bound)
-        return best
+            best = peer.scheduler.backlog.best_case(tokens)
+            if best is not None:  # no fit there: no advert, no forward
+                bounds.append(forward_cost(2 * latency, best[0], local_error, best[1]))
+        return min(bounds, default=None)
 
     @property
     def targets(self) -> list[PeerTarget]:

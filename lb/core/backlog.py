@@ -149,8 +149,25 @@ class Backlog:
         if fit is None:
             return None
         ahead = sorted(round(self.ahead.get(t, 0.0)) for t in target_ids)[:limit]
-        return {"base_s": round(fit[0], 6), "per_token_s": fit[1], "error_s": round(self._error or 0.0, 6),
-                "ahead": ahead}
+        return {**self._advert_fit(fit), "ahead": ahead}
+
+    def best_case(self, tokens: float) -> tuple[float, float] | None:
+        """(TTFT, error) a peer reading our advert would predict for `tokens` on a replica with
+        nothing ahead: the least any advert of ours can promise. None before the fit exists."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        advert = {**self._advert_fit(fit), "ahead": [0]}
+        return remote_ttft(advert, tokens), advert["error_s"]
+
+    def _advert_fit(self, fit: tuple[float, float]) -> dict:
+        return {"base_s": round(fit[0], 6), "per_token_s": fit[1], "error_s": round(self._error or 0.0, 6)}
+
+
+def forward_cost(rtt_s: float, remote_ttft_s: float, local_error: float, remote_error: float) -> float:
+    """What a forward must beat the local prediction by, in all: the round trip, the peer's
+    predicted TTFT and the two predictions' combined error (a smaller gain is noise)."""
+    return rtt_s + remote_ttft_s + math.hypot(local_error, remote_error)
 
 
 def remote_ttft(advert: dict, tokens: float, unseen: list[float] = ()) -> float | None:

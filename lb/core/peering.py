@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
-from lb.core.backlog import parse_advert, remote_ttft
+from lb.core.backlog import forward_cost, parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
 from lb.core.types import ReplicaView, RequestFacts
 
@@ -361,7 +361,7 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
         if remote is None:
             continue
         ttft, error = remote
-        if st.rtt_s + ttft + math.hypot(local_error, error) + margin_s >= local_ttft:
+        if forward_cost(st.rtt_s, ttft, local_error, error) + margin_s >= local_ttft:
             continue
         if not residency_allows(req.residency, pc.allowed_residency):
             blocked.append(pc.region)

@@ -67,7 +67,7 @@ def kv_tokens_per_replica(ready: Sequence[ReplicaView]) -> float | None:
     """A replica's KV capacity in tokens, as its probes imply (free tokens / free share; SGLang's
     and vLLM's load endpoints give both); the largest seen, None when no probe says."""
     sizes = [v.kv_free_tokens / (1.0 - v.kv_usage) for v in ready
-             if v.kv_free_tokens is not None and v.kv_usage < 0.99]
+             if v.kv_free_tokens is not None and v.kv_free_tokens > 0 and 0.0 <= v.kv_usage < 0.99]
     return max(sizes) if sizes else None
 
 

@@ -104,12 +104,10 @@ def test_a_scenario_without_overrides_runs_the_daemons_default_config():
 def test_the_simulators_peer_bound_never_rules_out_a_peer_that_could_win():
     """`_SimPeers.fastest_possible_s` lets a pass skip building peer statuses: it must be at
     or below what `predicted_peer` adds up from any advert a status could carry."""
-    import math
-
     from bench.sim.compare import make_arena
     from bench.sim.model import _SimPeers
     from bench.sim.workloads_sim import get
-    from lb.core.backlog import remote_ttft
+    from lb.core.backlog import forward_cost, remote_ttft
 
     arena = make_arena("regions", "lb", 0)
     get("regions").drive(arena, seed=0, rate_rps=60.0, stop_at=40.0)
@@ -127,6 +125,6 @@ def test_the_simulators_peer_bound_never_rules_out_a_peer_that_could_win():
                             bound = peers.fastest_possible_s(model, tokens, error)
                             best = remote_ttft(advert, tokens)
                             assert bound is not None and best is not None
-                            assert bound <= 2 * latency + best + math.hypot(error, advert["error_s"])
+                            assert bound <= forward_cost(2 * latency, best, error, advert["error_s"])
                             checked += 1
     assert checked > 0

@@ -169,6 +169,9 @@ def test_pool_kv_usage_counts_waiting_prompts_by_the_replicas_kv_size():
     assert pool_kv_usage(ready, starting=0, queued_tokens=0) == pytest.approx(0.6)
     assert pool_kv_usage([], starting=0, queued_tokens=10) == 1.0
     assert pool_kv_usage([], starting=2, queued_tokens=0) == 0.0
+    # a replica reporting nonsense free tokens gives no KV size: waiting work is not subtracted
+    odd = [ReplicaView(id="c", url="", kv_usage=0.5, kv_free_tokens=-4000)]
+    assert pool_kv_usage(odd, starting=0, queued_tokens=5000) == pytest.approx(0.5)
 
 
 def test_reactive_rule_on_the_daemons_signals_waits_for_a_cold_start():
