@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet import Fleet, Service, free_port
+from lb.core.policies import DEFAULT_POLICY
 
 MODES = ("peering", "region-local", "central")
 
@@ -56,7 +57,7 @@ class ClusterSpec:
     profile: str = "tiny"
     speed: float = 1.0
     engine: str = "sglang"
-    policy: str = "prefix-trie"
+    policy: str = DEFAULT_POLICY
     peer_policy: str = "prefix-trie"
     pushing: str = "sp-pending"
     tau: int = 2

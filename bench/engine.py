@@ -50,9 +50,13 @@ Scheduling, as SGLang and vLLM do it:
   `lock_ref`) and vLLM's block pool (blocks are touched only when scheduled), the cached
   prefix of a waiting request can be evicted before it is admitted; `lost_while_waiting`
   counts the prompt tokens lost that way.
-- Prefix cache: a radix tree of hash-chained token blocks (`profile.block_size`). Prompt
-  blocks are inserted when prefill completes, prompt + output when a request ends (also on
-  abort and preemption, up to what was computed). Unreferenced leaf blocks are evicted LRU
+- Prefix cache: a radix tree of hash-chained token blocks (`profile.block_size`). A prompt
+  chunk's full blocks are inserted as the chunk is scheduled, prompt + output when a request
+  ends (also on abort and preemption, up to what was computed). A request whose prefill
+  starts in a step takes the blocks that earlier chunks of that step, or requests since its
+  admission, have inserted: siblings sent together compute their shared prefix once, as
+  vLLM v1 (blocks cached at scheduling) and SGLang (LPM's in-batch prefix caching, a step
+  later) do (`Engine._shareable`). Unreferenced leaf blocks are evicted LRU
   when KV is needed. The cached part of a prompt skips prefill and is reported as cached
   tokens (always leaving at least the last prompt token to compute, as engines do).
 - Step time = step_base_s + prefill_token_s·prefill tokens + decode_seq_s·decoding sequences
@@ -261,7 +265,7 @@ class _Seq:
 
     __slots__ = ("req", "no", "tokens", "prompt_len", "target", "rng", "keys", "blocks",
                  "private", "computed", "prefill_end", "admit_no", "cached_tokens", "admitted",
-                 "cached_at_submit")
+                 "cached_at_submit", "fresh", "readmitted")
 
     def __init__(self, req: EngineRequest, no: int, target: int, rng: random.Random):
         self.req, self.no, self.target, self.rng = req, no, target, rng
@@ -276,6 +280,8 @@ class _Seq:
         self.admit_no = 0
         self.cached_tokens = 0
         self.admitted = False  # ever admitted (counters and cached_tokens count once)
+        self.readmitted = False  # admitted again after a preemption
+        self.fresh = False  # admitted, its prefill not started: looks the cache up again
         self.cached_at_submit = 0  # prompt tokens the cache held when the request arrived
 
     @property
@@ -385,17 +391,20 @@ class Engine:
             self._update_ratio(bool(result.preempted), bool(decodes))
         self._allocate(emitting)
         p = self.profile
-        context = 0
-        for seq, n in chunks:
+        context = prefilled = 0
+        for seq, n, shared in chunks:
+            if seq.fresh:
+                self._take_shared(seq, shared, now)
             seq.computed += n
+            prefilled += n
             context += seq.computed
+            self._cache_blocks(seq, now)  # as scheduled: later requests find them
             if seq.computed == seq.prefill_end:
-                self._cache_blocks(seq, now)
                 self._emit(seq, result, now)
         for seq in decodes:
             context += seq.computed
             self._emit(seq, result, now)
-        result.prefill_tokens = sum(n for _, n in chunks)
+        result.prefill_tokens = prefilled
         result.decode_seqs = len(decodes)
         result.duration = (p.step_base_s + p.prefill_token_s * result.prefill_tokens
                            + p.decode_seq_s * len(decodes) + p.context_token_s * context)
@@ -531,9 +540,12 @@ class Engine:
             seq.private = len(seq.tokens) - cached
             self._allocate(seq.private)
             seq.admit_no = next(self._order)
+            seq.fresh = True
             self._running.append(seq)
             reserved += reservation
-            if not seq.admitted:
+            if seq.admitted:
+                seq.readmitted = True
+            else:
                 seq.admitted = True
                 seq.cached_tokens = cached
                 c = self.counters
@@ -543,19 +555,68 @@ class Engine:
                 c.prefix_hits += cached
                 c.lost_while_waiting += max(0, seq.cached_at_submit - cached)
 
-    def _plan(self) -> tuple[list[_Seq], list[tuple[_Seq, int]], int]:
-        """This step's decoding sequences, prefill chunks, and how many tokens it emits."""
+    def _shareable(self, seq: _Seq, scheduled: set[int]) -> int:
+        """How many blocks past those it holds a request whose prefill starts this step finds
+        computed by then: in the cache and referenced (so not evictable before it takes them),
+        or scheduled by an earlier chunk of this step. vLLM v1 puts a chunk's full blocks in
+        the prefix cache when it schedules the chunk (kv_cache_manager.py `allocate_slots` →
+        `cache_blocks`, keyed by token ids, before the forward pass), so a request scheduled
+        after it finds them (each layer writes the batch's KV before its attention reads it).
+        SGLang gets the same sharing a step later: LPM defers a waiting request whose prefix
+        an earlier one in the batch is computing (schedule_policy.py, in-batch prefix
+        caching), then it hits the radix cache. Without this, siblings sent at once (a tree's
+        branches) each recomputed their shared prefix."""
+        blocks, keys = self.cache._blocks, seq.keys
+        i = have = len(seq.blocks)
+        while i < len(keys):
+            block = blocks.get(keys[i])
+            if not ((block is not None and block.refs) or keys[i] in scheduled):
+                break
+            i += 1
+        return i - have
+
+    def _take_shared(self, seq: _Seq, n_blocks: int, now: float) -> None:
+        """The blocks `_shareable` counted (earlier chunks of this step have cached them)."""
+        seq.fresh = False
+        if not n_blocks:
+            return
+        have = len(seq.blocks)
+        gained = self.cache.match(seq.keys[:have + n_blocks])[have:]
+        assert len(gained) == n_blocks, "a block counted as shared is not in the cache"
+        self.cache.acquire(gained, now)
+        seq.blocks.extend(gained)
+        tokens = n_blocks * self.block_size
+        seq.private -= tokens
+        self._private -= tokens
+        seq.computed += tokens
+        if not seq.readmitted:
+            seq.cached_tokens += tokens
+            c = self.counters
+            c.cached_tokens += tokens
+            c.prefix_hits += tokens
+
+    def _plan(self) -> tuple[list[_Seq], list[tuple[_Seq, int, int]], int]:
+        """This step's decoding sequences, prefill chunks (request, tokens, blocks it shares
+        from earlier chunks), and how many tokens it emits."""
         decodes = [s for s in self._running if s.computed >= s.prefill_end]
         budget = max(0, self.profile.prefill_budget - len(decodes))
         chunks, emitting = [], len(decodes)
+        # keys of the blocks this step's chunks compute, while a request starting its prefill
+        # could share them (see `_shareable`)
+        scheduled: set[int] | None = set() if any(s.fresh for s in self._running) else None
+        b = self.block_size
         for seq in self._running:
             if budget == 0:
                 break
             if seq.computed < seq.prefill_end:
-                n = min(budget, seq.prefill_end - seq.computed)
-                chunks.append((seq, n))
+                shared = self._shareable(seq, scheduled) if seq.fresh else 0
+                start = seq.computed + shared * b
+                n = min(budget, seq.prefill_end - start)
+                chunks.append((seq, n, shared))
                 budget -= n
-                emitting += seq.computed + n == seq.prefill_end
+                emitting += start + n == seq.prefill_end
+                if scheduled is not None:
+                    scheduled.update(self._keys(seq, (start + n) // b))
         return decodes, chunks, emitting
 
     def _emit(self, seq: _Seq, result: StepResult, now: float) -> None:

@@ -35,6 +35,8 @@ from pathlib import Path
 from bench.cluster import ClusterSpec, Testbed, start_testbed
 from bench.fleet import Fleet, free_port
 from bench.scenarios._lb import start_lb
+from lb.core.peering import PEER_POLICIES, PeeringConfig
+from lb.core.policies import DEFAULT_POLICY
 
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
 VLLM_ROUTER_PIN = "vllm-router==0.1.17"
@@ -54,7 +56,7 @@ class System:
         return self.name
 
 
-def lb(policy: str = "prefix-trie", pushing: str = "sp-pending", *, regional: bool = False,
+def lb(policy: str = DEFAULT_POLICY, pushing: str = "sp-pending", *, regional: bool = False,
        name: str | None = None, config: dict | None = None) -> System:
     label = name or ("lb" + ("-regional" if regional else "") + f" {policy}/{pushing}")
     return System(label, "lb", policy, pushing, regional, config or {})
@@ -192,6 +194,13 @@ class Regional:
     describe: str
 
 
+def peer_policy_for(policy: str) -> str:
+    """How the LBs choose among peers: the same algorithm where peering has it, else the
+    daemon's peering default (predicted-ttft ranks replicas; peers are ranked by the prefix
+    trie, and forwarding by predicted TTFT is a separate step)."""
+    return policy if policy in PEER_POLICIES else PeeringConfig().policy
+
+
 def start_regional(system: System, fleet: Fleet, spec: ClusterSpec, central: str) -> Regional:
     """`system` over `spec`'s regions: lb per region with peering when `system.regional`,
     else one coordinator in `central` that every other region reaches across the WAN."""
@@ -199,7 +208,7 @@ def start_regional(system: System, fleet: Fleet, spec: ClusterSpec, central: str
         lb_sections = _merge(engine_time_config(spec.speed), system.lb_config)
         lb_sections.pop("probes", None)  # bench.cluster scales the probe interval itself
         lb_spec = replace(spec, mode="peering" if system.regional else "central", central=central,
-                          policy=system.policy, peer_policy=system.policy, pushing=system.pushing,
+                          policy=system.policy, peer_policy=peer_policy_for(system.policy), pushing=system.pushing,
                           lb=_merge(spec.lb, lb_sections))
         tb: Testbed = start_testbed(fleet, lb_spec)
         return Regional({r: [u] for r, u in tb.client_targets.items()},

@@ -23,6 +23,7 @@ from bench import report, report_md
 from bench.cluster import ClusterSpec, RegionSpec
 from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
 from bench.systems import DIRECT, System, lb, nginx, sglang_router, start, start_regional, unavailable, vllm_router
+from lb.core.policies import DEFAULT_POLICY
 
 SAMPLE_EVERY_S = 0.25
 # Each system runs this many times, the rounds interleaved (A B C, A B C, ...), so drift on a
@@ -47,7 +48,7 @@ def systems(quick: bool, *, regional: bool) -> list[System]:
     """lb's variants worth showing, then the peers. Multi-region: lb per region with peering,
     and lb as one central coordinator like the peers; single region: SP-P and blind pushing."""
     if regional:
-        ours = [lb(regional=True)] + ([] if quick else [lb(name="lb-central prefix-trie/sp-pending")])
+        ours = [lb(regional=True)] + ([] if quick else [lb(name=f"lb-central {DEFAULT_POLICY}/sp-pending")])
     else:
         ours = [lb()] + ([] if quick else [lb(pushing="blind")])
     return ours + (QUICK_PEERS if quick else PEERS)

@@ -5,10 +5,11 @@ import sys
 from pathlib import Path
 
 from bench.fleet import Fleet, free_port
+from lb.core.policies import DEFAULT_POLICY
 
 
 def start_lb(fleet: Fleet, replica_urls: list[str], *, name: str = "lb", engine: str = "sglang",
-             policy: str = "prefix-trie", pushing: str = "sp-pending", config: dict | None = None,
+             policy: str = DEFAULT_POLICY, pushing: str = "sp-pending", config: dict | None = None,
              workdir: Path | None = None):
     """`lb serve` over `replica_urls`; `config` adds TOML sections, e.g. {"pushing": {"max_outstanding": 16}}."""
     port = free_port()

@@ -38,7 +38,7 @@ SWEEP = (0.5, 0.7, 0.9, 1.1, 1.3)
 # lb's variants worth showing next to its default: what selective pushing buys over blind
 # pushing (it only acts once engines queue), and what prefix-aware routing buys over load alone.
 LB_VARIANTS = {"lb": {}, "lb blind": {"pushing": "blind"}, "lb least-load": {"policy": "least-load"},
-               "lb predicted": {"policy": "predicted-ttft"}}
+               "lb prefix-trie": {"policy": "prefix-trie"}}
 QUICK_SEEDS = 3
 BOOTSTRAP = 10_000
 

@@ -204,8 +204,9 @@ class Simulation:
                     self.add_replica(r, m.name, ready_at=cfg.start_s)
         self.chain_params = prefix_chain_params(next(iter(self.lbs.values())).policy)
         # a prompt nothing shares may skip its chain only where an empty chain routes the same:
-        # prefix-trie (no match either way); cache-aware's smallest-tree choice counts them
-        self.unique_chains_matter = cfg.lb.policy != "prefix-trie"
+        # prefix-trie and predicted-ttft (no match either way: the whole prompt is uncached);
+        # cache-aware's smallest-tree choice counts them
+        self.unique_chains_matter = cfg.lb.policy not in ("prefix-trie", "predicted-ttft")
         self.shapes = self._shapes() if cfg.arrivals.kind != "external" else [arr.Shape(1, 1)]
         self.scaler = scaler_factory(self) if scaler_factory else None
 

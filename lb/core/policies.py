@@ -16,12 +16,12 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
-from lb.core.predicted import PredictedTtftScorer
+from lb.core.predicted import DEFAULT_OTHERS_WEIGHT, PredictedTtftScorer
 from lb.core.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_NODES, PrefixTrie, request_chain
 from lb.core.ring import DEFAULT_VNODES, HashRing
 from lb.core.types import Decision, Policy, PrefixMemory, ReplicaView, RequestFacts
 
-DEFAULT_POLICY = "prefix-trie"
+DEFAULT_POLICY = "predicted-ttft"
 
 
 def load(view: ReplicaView) -> int:
@@ -378,7 +378,7 @@ def predicted_ttft(
     max_nodes: int = DEFAULT_MAX_NODES,
     block_chars: int = DEFAULT_BLOCK_CHARS,
     isolate_tenants: bool = False,
-    others_weight: float = 1.0,
+    others_weight: float = DEFAULT_OTHERS_WEIGHT,
 ) -> ComposedPolicy:
     """Least predicted TTFT (lb/core/predicted.py): queued work plus uncached prefill at each
     replica's learned rates; least load breaks ties."""

@@ -335,6 +335,9 @@ class Scheduler:
                     out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
                                          waited=now - entry.enqueued_at))
                     continue
+            ahead = self.backlog.ahead
+            for t in cands:
+                t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
             by_id = {t.view.id: t for t in cands}
             target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
             if target is None:

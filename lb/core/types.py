@@ -56,6 +56,9 @@ class ReplicaView:
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)
     reports_pending: bool = True
     draining: bool = False  # removed by admin/reload: finish in-flight, take nothing new
+    # uncached prompt tokens of this LB's pushes to it without a first token yet (waiting or
+    # prefilling there; lb.core.backlog keeps it, the scheduler copies it before each choice)
+    prefill_ahead: float = 0.0
     # (when, KV tokens) of recent pushes still in flight: what a probe may not have seen yet
     # (lb.core.pushing.record_push / settle_probe keep it; bounded by `outstanding`).
     push_log: deque = field(default_factory=deque, repr=False, compare=False)

@@ -30,7 +30,7 @@ from lb.core.fairness import FairnessConfig
 from lb.core.identity import IdentityConfig
 from lb.core.peering import PeerConfig, PeeringConfig, peers_from_list
 from lb.core.planner import PLANNER_KEYS
-from lb.core.policies import make_policy
+from lb.core.policies import DEFAULT_POLICY, make_policy
 from lb.core.queueing import make_queue
 from lb.core.pushing import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT
 from lb.core.tiers import TierConfig
@@ -136,7 +136,7 @@ class QueueConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "prefix-trie"
+    policy: str = DEFAULT_POLICY
     seed: int = 0
     options: dict = field(default_factory=dict)  # passed to make_policy(name, **options)
 

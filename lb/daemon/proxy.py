@@ -484,9 +484,19 @@ class Proxy:
         tail = first[-TAIL_BYTES:]
         listeners = self.dispatcher.on_progress
         report_at = 1 if listeners else -1  # events count at which listeners next hear; -1: never
+
+        def report(events: int) -> int:
+            now = time.monotonic()
+            for fn in listeners:
+                fn(rid, events, now)
+            return events + PROGRESS_EVERY
+
         max_line, line = self.cfg.upstream.max_sse_line_bytes, 0  # bytes since the last newline
         try:
             await _send(client, first)
+            out.events = first.count(b"data:")  # the first event carries the first token: prefill is done
+            if 0 < report_at <= out.events:
+                report_at = report(out.events)
             async for chunk in resp.content.iter_any():
                 nl = chunk.rfind(b"\n")
                 line = line + len(chunk) if nl < 0 else len(chunk) - nl - 1
@@ -496,10 +506,7 @@ class Proxy:
                 attempt.chunks += 1
                 out.events += chunk.count(b"data:")
                 if 0 < report_at <= out.events:
-                    report_at = out.events + PROGRESS_EVERY
-                    now = time.monotonic()
-                    for fn in listeners:
-                        fn(rid, out.events, now)
+                    report_at = report(out.events)
                 tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else tail[len(chunk) - TAIL_BYTES:] + chunk
         except _UPSTREAM_ERRORS + (_LineTooLong,) as e:
             # After the first byte there is no retry: say so in the stream the client reads.

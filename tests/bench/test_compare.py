@@ -41,14 +41,14 @@ def test_quick_compare_single_region_writes_report_and_summary(tmp_path):
     report.write_summary(tmp_path / "summary.json", {"scenario": "tiny", **summary})
     check_summary(json.loads((tmp_path / "summary.json").read_text()), systems)
     assert "failed" in summary["skipped"]["nginx bogus-policy"]
-    assert summary["baseline"] == "lb prefix-trie/sp-pending"
+    assert summary["baseline"] == "lb predicted-ttft/sp-pending"
     third = [n for n, r in summary["variants"].items() if r["system"]["family"] not in ("lb", "direct")]
     assert third, summary["skipped"]
     text = (tmp_path / "report.md").read_text()
     for name in [*summary["variants"], *summary["skipped"]]:
         assert name in text
     assert "the best peer's throughput" in text and "(1.00×)" in text
-    assert "| `tiny` | lb prefix-trie/sp-pending |" in report_md.overview([tmp_path])
+    assert "| `tiny` | lb predicted-ttft/sp-pending |" in report_md.overview([tmp_path])
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0 and (tmp_path / "throughput.png").stat().st_size > 0
 
 

@@ -141,6 +141,41 @@ def test_repeated_prefix_is_served_from_cache():
     assert steps[-1].finished[0].cached_tokens == (len(shared) + 30 + 4) // 16 * 16
 
 
+def test_siblings_scheduled_together_compute_their_shared_prefix_once():
+    """vLLM v1 caches a chunk's full blocks as it schedules them, so requests sent at once
+    with a shared prefix (a tree's branches) prefill it once, in the same step."""
+    e = Engine(TINY)
+    shared = prompt(320, 7)
+    for i in range(4):
+        e.submit(EngineRequest(f"s{i}", shared + prompt(20, i), 2, ignore_eos=True), 0.0)
+    first = e.step(0.0)
+    assert first.prefill_tokens == 320 + 4 * 20  # not 4 × 340
+    assert set(first.tokens) == {"s0", "s1", "s2", "s3"}  # every one's first token in that step
+    _, steps = run_until_idle(e, first.end)
+    cached = {f.id: f.cached_tokens for s in steps for f in s.finished}
+    assert cached == {"s0": 0, "s1": 320, "s2": 320, "s3": 320}
+    c = e.load().counters
+    assert c.cached_tokens == c.prefix_hits == 3 * 320
+    assert e.load().kv_used_tokens == 0
+
+
+def test_a_sibling_arriving_mid_prefill_shares_what_is_scheduled_before_it():
+    """A long prompt prefilled in chunks publishes each chunk's blocks as it is scheduled; a
+    sibling arriving meanwhile is scheduled after that chunk in the next step, finds every
+    block by then, and computes only its own suffix."""
+    e = Engine(TINY)  # prefill budget 1024 tokens per step
+    shared = prompt(1200, 5)
+    e.submit(EngineRequest("long", shared + prompt(8, 1), 1, ignore_eos=True), 0.0)
+    first = e.step(0.0)
+    assert first.prefill_tokens == 1024 and not first.tokens
+    e.submit(EngineRequest("late", shared + prompt(8, 2), 1, ignore_eos=True), first.end)
+    _, steps = run_until_idle(e, first.end)
+    assert steps[0].prefill_tokens == (1208 - 1024) + 8 and set(steps[0].tokens) == {"long", "late"}
+    cached = {f.id: f.cached_tokens for s in steps for f in s.finished}
+    assert cached == {"long": 0, "late": 1200}  # 1,024 found at arrival, the rest scheduled before it
+    assert e.load().kv_used_tokens == 0
+
+
 def test_fully_cached_prompt_still_computes_its_last_token():
     e = Engine(TINY)
     p = prompt(64, 3)

@@ -79,7 +79,7 @@ def test_a_scenario_without_overrides_runs_the_daemons_default_config():
 
     daemon = Config()
     cfg = parse_config({"models": [{"name": "m"}], "arrivals": {"kind": "external"}}).lb
-    assert cfg.policy == daemon.routing.policy == "prefix-trie"
+    assert cfg.policy == daemon.routing.policy == "predicted-ttft"
     assert cfg.policy_options == daemon.routing.options
     assert cfg.pushing == daemon.pushing.mode
     assert cfg.max_outstanding == daemon.pushing.max_outstanding
