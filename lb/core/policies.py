@@ -81,6 +81,9 @@ def pick_best(candidates: Sequence[ReplicaView], scores: Sequence | Callable[[Re
 class Part:
     """A filter or scorer; stateful ones learn from dispatches and forget removed targets."""
 
+    def chosen(self, decision: Decision) -> None:
+        """The picker chose `decision.target`: make the explanation about that target."""
+
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         pass
 
@@ -164,16 +167,24 @@ class PrefixScorer(Part):
         self.min_match_ratio = min_match_ratio
         self.block_chars = block_chars
         self.isolate_tenants = isolate_tenants
+        # the last `score`'s chain, and the candidates holding its longest match
+        self._chain, self._holding = (), set()
 
     def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[int]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         depth, holders = self.trie.match(chain, {view.id for view in candidates})
         decision.matched_blocks, decision.total_blocks = depth, len(chain)
+        self._chain, self._holding = chain, (holding := set(holders))
         if not chain or depth / len(chain) < self.min_match_ratio:
             return [0] * len(candidates)
         decision.reason = "prefix"
-        holding = set(holders)
         return [depth if view.id in holding else 0 for view in candidates]
+
+    def chosen(self, decision: Decision) -> None:
+        """The explanation names the chosen target's own match (what it will not recompute):
+        a load tie-break may pick a target holding less than the longest match, or none."""
+        if decision.target not in self._holding:
+            decision.matched_blocks = self.trie.match(self._chain, {decision.target})[0] if self._chain else 0
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         self.trie.insert(request_chain(req, self.block_chars, self.isolate_tenants), target_id, now)
@@ -209,6 +220,8 @@ class ComposedPolicy(PolicyBase):
             per_scorer = [s.score(req, cands, now, decision) for s in self.scorers]
             scores = per_scorer[0] if len(per_scorer) == 1 else list(zip(*per_scorer))
             decision.target = pick_best(cands, scores, self.rng).id
+            for s in self.scorers:
+                s.chosen(decision)
         else:
             decision.reason = "none"
         self.last = decision

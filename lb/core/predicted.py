@@ -145,6 +145,7 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         self.model = TtftModel(alpha, others_weight=others_weight)
         self._last: dict[str, float] = {}  # candidate id → work, from the last `score`
         self._last_uncached: dict[str, float] = {}
+        self._depths: dict[str, int] = {}  # candidate id → its matched blocks, from the last `score`
         # per target, the uncached tokens of its latest pushes, newest last: the unseen ones
         # (`pushed_since_probe`, settled by each probe) are the prefill still ahead there
         self._pushed: dict[str, deque] = {}
@@ -156,21 +157,22 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
             return 0.0
         return sum(pushed[i] for i in range(max(0, len(pushed) - n), len(pushed)))
 
-    def uncached(self, view: ReplicaView, chain, prompt_tokens: int) -> float:
-        depth, _ = self.trie.match(chain, {view.id}) if chain else (0, [])
-        return prompt_tokens * (1.0 - depth / len(chain)) if chain else prompt_tokens
-
     def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[float]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         prompt = max(1, req.prompt_tokens)
-        uncached = [self.uncached(v, chain, prompt) for v in candidates]
+        self._depths = depths = self.trie.depths(chain, [v.id for v in candidates])
+        uncached = [prompt * (1.0 - depths[v.id] / len(chain)) if chain else prompt for v in candidates]
         work = [max(v.pending * prompt + self.unseen_prefill(v), v.prefill_ahead) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}
-        depth, _ = self.trie.match(chain, {v.id for v in candidates}) if chain else (0, [])
-        decision.matched_blocks, decision.total_blocks = depth, len(chain)
+        decision.matched_blocks, decision.total_blocks = max(depths.values(), default=0), len(chain)
         decision.reason = "predicted"
         return [-t for t in self.model.predict(candidates, work, uncached)]
+
+    def chosen(self, decision: Decision) -> None:
+        """The explanation names the chosen replica's own prefix match (what it will not
+        recompute), not the best candidate's."""
+        decision.matched_blocks = self._depths.get(decision.target, 0)
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         work = self._last.get(target_id, float(req.prompt_tokens))

@@ -125,6 +125,20 @@ class PrefixTrie:
             return 0, []
         return lo, [t for t in self._nodes[chain[lo - 1]] if wanted is None or t in wanted]
 
+    def depths(self, chain: Chain, targets: Collection[str]) -> dict[str, int]:
+        """Each target's own matched blocks of `chain` (0 for a target holding none of it):
+        one `match` per distinct depth among the targets, deepest first, not one per target."""
+        out = dict.fromkeys(targets, 0)
+        left = set(out)
+        while left and chain:
+            depth, holders = self.match(chain, left)
+            if not depth:
+                break
+            for t in holders:
+                out[t] = depth
+            left.difference_update(holders)
+        return out
+
     def _known_depth(self, chain: Chain) -> int:
         """How many leading blocks of `chain` are nodes already."""
         return known_depth(chain, self._nodes)

@@ -80,7 +80,8 @@ def test_prefix_trie_below_threshold_takes_least_load():
     policy.observe(req(prompt(("sys", 2))), "r1", 1.0)
     weak = req(prompt(("sys", 2), ("user-question", 6)))  # 2/8 = 0.25 < 0.5
     assert policy.choose(weak, vs, 2.0) == "r2"
-    assert policy.last.reason == "load" and policy.last.matched_blocks == 2
+    # r1 holds 2 of the 8 blocks; the explanation is about r2, the replica chosen, which holds none
+    assert policy.last.reason == "load" and policy.last.matched_blocks == 0 and policy.last.total_blocks == 8
     strong = req(prompt(("sys", 2), ("user-question", 1)))  # 2/3 >= 0.5
     assert policy.choose(strong, vs, 2.0) == "r1"
 

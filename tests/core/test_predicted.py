@@ -70,3 +70,38 @@ def test_scheduler_feeds_answers_to_the_policy_and_forgets_gone_replicas():
     assert abs(model.rates["r0"].step_s - 0.03) < 1e-9
     s.forget("r0")
     assert "r0" not in model.rates
+
+
+def test_prefill_the_engine_runs_but_has_not_finished_counts_as_ahead():
+    """A long prompt being prefilled is one running request to a probe, but holds every later
+    request up: the LB's own pushes without a first token (`prefill_ahead`) say so."""
+    policy = make_policy("predicted-ttft", seed=1)
+    vs = views(2, running=1)
+    vs[1].pending = 1  # r1 has one request waiting, r0 none: r0 looks free
+    text = prompt(("q", 4))
+    assert policy.choose(req(text, prompt_tokens=256), vs, now=0.0) == "r0"
+    vs[0].prefill_ahead = 8000.0  # but r0 is prefilling an 8k-token prompt the LB sent it
+    assert policy.choose(req(text, prompt_tokens=256), vs, now=0.0) == "r1"
+
+
+def test_a_burst_of_siblings_spills_once_the_holders_backlog_outweighs_the_prefix():
+    """Siblings share the holder's prefix; once what is ahead of them there costs more than
+    recomputing the prefix elsewhere, one goes to the other replica, which then holds it too,
+    and the explanation names the chosen replica's own match."""
+    policy = make_policy("predicted-ttft", seed=1)
+    shared = prompt(("parent", 20))
+    vs = views(2, running=4)
+    policy.observe(req(shared, rid="parent", prompt_tokens=2560), "r0", now=0.0)
+    chosen = []
+    for i in range(40):
+        leaf = req(shared + prompt((f"leaf{i}", 1)), rid=f"leaf{i}", prompt_tokens=2688)
+        target = policy.choose(leaf, vs, now=1.0)
+        depth = policy.last.matched_blocks
+        chosen.append((target, depth))
+        policy.observe(leaf, target, now=1.0)
+        next(v for v in vs if v.id == target).prefill_ahead += 128 if depth else 2688
+    first_spill = next(i for i, (t, _) in enumerate(chosen) if t == "r1")
+    assert 1 < first_spill < 40 and chosen[first_spill][1] == 0  # it recomputes the prefix there
+    after = [t for t, _ in chosen[first_spill + 1:]]
+    assert "r0" in after and "r1" in after  # then both hold it and share the rest
+    assert all(d == 20 for t, d in chosen[first_spill + 1:])

@@ -57,6 +57,16 @@ def test_match_takes_longest_prefix_among_wanted_and_stops_early():
     assert trie.match(block_hashes(text(4, "q"))) == (0, [])
 
 
+def test_depths_gives_each_target_its_own_match():
+    trie = PrefixTrie()
+    chain = block_hashes(text(8))
+    trie.insert(chain[:3], "short", now=1.0)
+    trie.insert(chain[:6], "long", now=2.0)
+    trie.insert(chain, "full", now=3.0)
+    assert trie.depths(chain, ["short", "long", "full", "none"]) == {"short": 3, "long": 6, "full": 8, "none": 0}
+    assert trie.depths((), ["short"]) == {"short": 0}
+
+
 def test_match_stops_where_no_wanted_target_remains_below():
     trie = PrefixTrie()
     a = block_hashes(text(4) + text(4, "x"))
