@@ -22,6 +22,30 @@ def best_peer(summary: dict) -> str | None:
     return max(peers, key=lambda k: peers[k]["throughput_rps"]["median"] or 0.0)
 
 
+def standing(summary: dict) -> dict | None:
+    """`lb` against the peers at one load: the ratios issue 11's goals are stated in (lb / the
+    best peer by throughput, lb's TTFT p90 / the lowest peer p90, lb's p90 / SGLang Router
+    `cache_aware`'s) and where lb is behind with the 95 % intervals apart (not just the medians)."""
+    systems = summary["systems"]
+    peers = {k: v for k, v in systems.items() if not k.startswith("lb")}
+    ours = systems.get(LB)
+    if not peers or ours is None:
+        return None
+    med = lambda s, k: s[k]["median"] or 0.0  # noqa: E731
+    by_thr = max(peers, key=lambda k: med(peers[k], "throughput_rps"))
+    by_p90 = min(peers, key=lambda k: peers[k]["ttft_p90_s"]["median"] or float("inf"))
+    behind = []
+    if ours["throughput_rps"]["ci95"][1] < peers[by_thr]["throughput_rps"]["ci95"][0]:
+        behind.append(f"throughput ({by_thr})")
+    if ours["ttft_p90_s"]["ci95"][0] > peers[by_p90]["ttft_p90_s"]["ci95"][1]:
+        behind.append(f"TTFT p90 ({by_p90})")
+    ca = peers.get("sglang-router cache_aware")
+    return {"best_by_throughput": by_thr, "throughput": _ratio(med(ours, "throughput_rps"), med(peers[by_thr], "throughput_rps")),
+            "lowest_p90": by_p90, "p90": _ratio(ours["ttft_p90_s"]["median"], peers[by_p90]["ttft_p90_s"]["median"]),
+            "p90_vs_cache_aware": _ratio(ours["ttft_p90_s"]["median"], ca["ttft_p90_s"]["median"]) if ca else "-",
+            "behind": behind}
+
+
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
@@ -43,6 +67,10 @@ def table(summary: dict) -> str:
                     f"{_ratio(ours['throughput_rps']['median'], p['throughput_rps']['median'])} (> 1: lb better), "
                     f"TTFT p50 {_ratio(ours['ttft_p50_s']['median'], p['ttft_p50_s']['median'])}, "
                     f"TTFT p90 {_ratio(ours['ttft_p90_s']['median'], p['ttft_p90_s']['median'])} (< 1: lb better)")
+        st = standing(summary)
+        rows.append(f"lb / lowest peer TTFT p90 ({st['lowest_p90']}): {st['p90']}; lb / sglang-router cache_aware "
+                    f"TTFT p90: {st['p90_vs_cache_aware']}; behind with the intervals apart: "
+                    f"{', '.join(st['behind']) or 'nowhere'}")
     return "\n".join(rows)
 
 
@@ -119,7 +147,15 @@ def sweep_plot(workload: str, summaries: dict[float, dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "sweep.png", dpi=110)
     plt.close(fig)
-    lines = [f"# sim-compare {workload} --sweep", "", "![sweep](sweep.png)", ""]
+    lines = [f"# sim-compare {workload} --sweep", "", "![sweep](sweep.png)", "",
+             "| load | lb / best peer throughput | lb / lowest peer TTFT p90 | lb / cache_aware TTFT p90 | "
+             "lb behind, intervals apart |", "|---|---|---|---|---|"]
+    for f in loads:
+        st = standing(summaries[f])
+        if st:
+            lines.append(f"| {f:g} | {st['throughput']} ({st['best_by_throughput']}) | {st['p90']} ({st['lowest_p90']}) | "
+                         f"{st['p90_vs_cache_aware']} | {', '.join(st['behind']) or '-'} |")
+    lines.append("")
     for f in loads:
         lines += [f"## load {f:g}", "", table(summaries[f]), ""]
     (out / "report.md").write_text("\n".join(lines))

@@ -112,3 +112,26 @@ def test_simulated_clients_tokenize_prompts_exactly_as_the_emulator():
             spec = specs.pop()
             assert encode_chat(spec.messages) == encode(render_chat(spec.messages))
             specs.extend(program.on_done(spec, output_text(spec.max_tokens)))
+
+
+def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part():
+    from bench.sim.compare_report import standing, table
+
+    def entry(thr, thr_ci, p90, p90_ci):
+        return {"throughput_rps": {"median": thr, "ci95": thr_ci}, "ttft_p50_s": {"median": 0.1, "ci95": [0.1, 0.1]},
+                "ttft_p90_s": {"median": p90, "ci95": p90_ci}, "e2e_p50_s": {"median": 1.0, "ci95": [1.0, 1.0]},
+                "cached_ratio": {"median": 0.9, "ci95": [0.9, 0.9]}, "errors": 0, "cut_at_deadline": 0}
+    summary = {"systems": {
+        "lb": entry(10.0, [9.5, 10.5], 0.60, [0.59, 0.62]),
+        "lb prefix-trie": entry(20.0, [20.0, 20.0], 0.10, [0.10, 0.10]),  # a variant of lb, never a peer
+        "sglang-router cache_aware": entry(10.4, [10.0, 11.0], 0.90, [0.80, 1.00]),
+        "sglang-router round_robin": entry(8.0, [7.9, 8.1], 0.43, [0.40, 0.48]),
+    }}
+    st = standing(summary)
+    assert st["best_by_throughput"] == "sglang-router cache_aware" and st["throughput"] == "0.96x"
+    assert st["lowest_p90"] == "sglang-router round_robin" and st["p90"] == "1.40x"
+    assert st["p90_vs_cache_aware"] == "0.67x"
+    assert st["behind"] == ["TTFT p90 (sglang-router round_robin)"]  # throughput intervals overlap
+    summary["systems"]["sglang-router round_robin"]["ttft_p90_s"]["ci95"] = [0.40, 4.9]
+    assert standing(summary)["behind"] == []  # round robin's interval reaches lb's
+    assert "behind with the intervals apart: nowhere" in table(summary)
