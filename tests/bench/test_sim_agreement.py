@@ -24,9 +24,12 @@ def test_simulator_agrees_with_live_emulators(workload, tmp_path):
     real = live(workload, case["params"], speed=SPEED, log_dir=tmp_path / "1", **kw)
     print(line(workload, sim, real))
     if disagreements(sim, real):
-        # A live run on a shared 2-core machine can be slowed by other work; measure it once
-        # more and judge the second run alone (a real simulator error disagrees both times).
-        real = live(workload, case["params"], speed=SPEED, log_dir=tmp_path / "2", **kw)
-        print("re-measured:", line(workload, sim, real))
+        # One live run is one draw: on a shared 2-core machine other work slows it, and the
+        # 4-branch trees' bursts move a 200-request p90 by a third between identical runs
+        # (mixed-tree live p90 635-954 ms against 1,011 simulated, 2026-11-24). Measure twice
+        # more and judge the median of the three (a real simulator error moves all three).
+        runs = [real] + [live(workload, case["params"], speed=SPEED, log_dir=tmp_path / str(i), **kw) for i in (2, 3)]
+        real = {k: sorted(r[k] for r in runs)[1] for k in real}
+        print("median of 3 live runs:", line(workload, sim, real))
     assert sim["requests"] == real["requests"] == case["requests"]
     assert disagreements(sim, real) == []
