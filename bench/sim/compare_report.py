@@ -27,12 +27,11 @@ def standing(summary: dict) -> dict | None:
     best peer by throughput, lb's TTFT p90 / the lowest peer p90, lb's p90 / SGLang Router
     `cache_aware`'s) and where lb is behind with the 95 % intervals apart (not just the medians)."""
     systems = summary["systems"]
-    peers = {k: v for k, v in systems.items() if not k.startswith("lb")}
-    ours = systems.get(LB)
-    if not peers or ours is None:
+    by_thr, ours = best_peer(summary), systems.get(LB)
+    if by_thr is None or ours is None:
         return None
+    peers = {k: v for k, v in systems.items() if not k.startswith("lb")}
     med = lambda s, k: s[k]["median"] or 0.0  # noqa: E731
-    by_thr = max(peers, key=lambda k: med(peers[k], "throughput_rps"))
     by_p90 = min(peers, key=lambda k: peers[k]["ttft_p90_s"]["median"] or float("inf"))
     behind = []
     if ours["throughput_rps"]["ci95"][1] < peers[by_thr]["throughput_rps"]["ci95"][0]:

@@ -12,6 +12,7 @@ ranks them. `observe` feeds dispatch decisions back (trie inserts), `forget` dro
 from __future__ import annotations
 
 import inspect
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
@@ -395,6 +396,9 @@ def predicted_ttft(
 ) -> ComposedPolicy:
     """Least predicted TTFT (lb/core/predicted.py): queued work plus uncached prefill at each
     replica's learned rates; least load breaks ties."""
+    if isinstance(others_weight, bool) or not isinstance(others_weight, (int, float)) or not 0 <= others_weight < math.inf:
+        raise ValueError(f"others_weight must be a number >= 0 (got {others_weight!r}); "
+                         f"the default is {DEFAULT_OTHERS_WEIGHT}, 0 ignores the running batch")
     scorer = PredictedTtftScorer(PrefixTrie(max_nodes), block_chars=block_chars, isolate_tenants=isolate_tenants,
                                  others_weight=others_weight)
     return ComposedPolicy("predicted-ttft", scorers=[scorer, LoadScorer()], rng=rng, default_reason="predicted")

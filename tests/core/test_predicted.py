@@ -105,3 +105,12 @@ def test_a_burst_of_siblings_spills_once_the_holders_backlog_outweighs_the_prefi
     after = [t for t, _ in chosen[first_spill + 1:]]
     assert "r0" in after and "r1" in after  # then both hold it and share the rest
     assert all(d == 20 for t, d in chosen[first_spill + 1:])
+
+
+def test_a_bad_others_weight_is_refused_naming_the_option():
+    import pytest
+
+    for bad in (-0.1, float("nan"), float("inf"), "0.05", True):
+        with pytest.raises(ValueError, match="others_weight must be a number >= 0"):
+            make_policy("predicted-ttft", others_weight=bad)
+    make_policy("predicted-ttft", others_weight=0)  # 0 is allowed: ignore the running batch
