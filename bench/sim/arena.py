@@ -15,6 +15,7 @@ tokens, cached tokens) when the last token is back at the client.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +33,11 @@ from lb.core.types import RequestFacts, Tier
 # arrives reaches the engine after the next batch has formed, as it does live (without it
 # every closed-loop child joined the very step its parent finished at, ~1 step early).
 HTTP_S = 0.002
+# A live hop is not the same every time (the event loops of client, LB and engine are busy or
+# not), and a closed-loop tree workload is chaotic in it: which replica a burst's children land
+# on turns on which of two predictions is smaller by a millisecond. `http_jitter` = j draws each
+# hop uniformly from HTTP_S x [1 - j, 1 + j] (seeded), so one workload seed gives the spread of
+# results a live run draws from; 0 (sim-compare's default) keeps every system on one timeline.
 
 
 @dataclass(frozen=True)
@@ -191,9 +197,11 @@ class Arena:
     """One seed of one system: fleet, fronts, and the requests clients send through them."""
 
     def __init__(self, fleet: FleetSpec, system: str, *, seed: int, lb_cfg: LBConfig | None = None,
-                 peer: PeerPolicy | None = None, http_s: float = HTTP_S):
+                 peer: PeerPolicy | None = None, http_s: float = HTTP_S, http_jitter: float = 0.0,
+                 jitter_seed: int = 0):
         self.fleet, self.system, self.seed = fleet, system, seed
-        self.http_s = http_s
+        self._http_s, self._jitter = http_s, http_jitter
+        self._rng = random.Random(f"http-{seed}-{jitter_seed}")
         self.loop = EventLoop()
         self.profile = get_profile(fleet.profile)
         self.callbacks: dict[str, tuple[Call, float, Callable[[Done], None]]] = {}
@@ -221,6 +229,12 @@ class Arena:
         self.model = self.profile.model
         self.limit = min(self.profile.max_model_len, self.profile.kv_tokens)
 
+    def http_s(self) -> float:
+        """One hop through the HTTP stack (see HTTP_S)."""
+        if not self._jitter:
+            return self._http_s
+        return self._http_s * (1.0 + self._jitter * (2.0 * self._rng.random() - 1.0))
+
     def _front_of(self, region: str):
         front = self.fronts[region]
         return front, self.fleet.one_way(region, front.region)
@@ -234,7 +248,7 @@ class Arena:
         self.sent += 1
         self.callbacks[call.request_id] = (call, sent, on_done)
         _, hop = self._front_of(call.region)
-        self.loop.after(hop + self.http_s, self._arrive, call)
+        self.loop.after(hop + self.http_s(), self._arrive, call)
 
     def _arrive(self, call: Call) -> None:
         now = self.loop.now
@@ -259,7 +273,7 @@ class Arena:
     def _completed(self, req: SimRequest, prompt: int, cached: int, output: int) -> None:
         call, sent, on_done = self.callbacks.pop(req.id)
         _, hop = self._front_of(call.region)
-        back = req.extra_latency / 2 + hop + self.http_s  # replica -> (forwarding LB) -> front -> client
+        back = req.extra_latency / 2 + hop + self.http_s()  # replica -> (forwarding LB) -> front -> client
         done = Done(req, sent, req.first_token + back - sent, self.loop.now + back - sent, prompt, cached, output)
         self.done.append(done)
         self.loop.after(back, on_done, done)

@@ -16,27 +16,50 @@ from lb.core.types import ReplicaView
 MAX_REMOTE_LOG = 1024  # the others' pushes remembered per replica (only recent ones matter)
 
 
-def note_remote_push(view: ReplicaView, log: deque, pushed_at: float, tokens: int, probe_started_at: float | None) -> None:
-    """Another instance pushed to this replica at `pushed_at` (wall clock, as every instance
-    stamps it): remembered, and unseen by our last probe (started at `probe_started_at`, wall)
-    when it came after that probe started."""
-    log.append((pushed_at, tokens))
+def note_remote_push(view: ReplicaView, log: deque, pushed_at: float, tokens: int, probe_started_at: float | None,
+                     key: str = "", prefill: float = 0.0) -> None:
+    """Another instance pushed request `key` to this replica at `pushed_at` (wall clock, as
+    every instance stamps it), needing `tokens` of KV and `prefill` uncached prompt tokens:
+    remembered, and unseen by our last probe (started at `probe_started_at`, wall) when it
+    came after that probe started."""
+    log.append((pushed_at, tokens, key, prefill))
     while len(log) > MAX_REMOTE_LOG:
         log.popleft()
     if probe_started_at is None or pushed_at > probe_started_at:
-        view.pushed_since_probe += 1
-        view.pushed_tokens_since_probe += tokens
+        _count(view, 1, tokens, prefill)
 
 
-def remote_unseen(log: deque, probe_started_at: float, keep_s: float = 60.0) -> tuple[int, int]:
+def note_remote_end(view: ReplicaView, log: deque, key: str, probe_started_at: float | None) -> bool:
+    """The other instance's push `key` was answered: the replica holds it no more, so it
+    neither spends headroom nor stands ahead of a new request, though our next probe has not
+    said so yet (a conversation's next turn often comes within one probe interval of the last
+    answer, and at another instance). False when the push is not remembered."""
+    for i in range(len(log) - 1, -1, -1):  # recent pushes end first; at most MAX_REMOTE_LOG
+        pushed_at, tokens, k, prefill = log[i]
+        if k == key:
+            del log[i]
+            if probe_started_at is None or pushed_at > probe_started_at:
+                _count(view, -1, -tokens, -prefill)
+            return True
+    return False
+
+
+def _count(view: ReplicaView, n: int, tokens: int, prefill: float) -> None:
+    view.pushed_since_probe = max(0, view.pushed_since_probe + n)
+    view.pushed_tokens_since_probe = max(0, view.pushed_tokens_since_probe + tokens)
+    view.remote_since_probe = max(0, view.remote_since_probe + n)
+    view.remote_prefill_since_probe = max(0.0, view.remote_prefill_since_probe + prefill)
+
+
+def remote_unseen(log: deque, probe_started_at: float, keep_s: float = 60.0) -> tuple[int, int, float]:
     """After a probe that started at `probe_started_at` answered: how many of the others' pushes
-    (and their KV tokens) it cannot include, i.e. the ones made after it started. Entries older
-    than `keep_s` before it are dropped."""
+    (their KV tokens, their uncached prompt tokens) it cannot include, i.e. the ones made after
+    it started. Entries older than `keep_s` before it are dropped."""
     while log and log[0][0] < probe_started_at - keep_s:
         log.popleft()
     # instances' clocks and messages need not arrive in order: look at every entry (at most MAX_REMOTE_LOG)
-    after = [k for t, k in log if t > probe_started_at]
-    return len(after), sum(after)
+    after = [(k, p) for t, k, _, p in log if t > probe_started_at]
+    return len(after), sum(k for k, _ in after), sum(p for _, p in after)
 
 
 # -- prefix affinity across instances ----------------------------------------------------------

@@ -30,6 +30,7 @@ replicas SP-P already admits. Ties (equal predictions) fall to least load.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import islice
 from dataclasses import dataclass
 from statistics import median
 from typing import Collection
@@ -110,6 +111,10 @@ class TtftModel:
             out.append(step * (1.0 + ratio * (w + self.others_weight * view.running * u)))
         return out
 
+    def unanswered(self, request_id: str) -> bool:
+        """Placed and its response not back yet (as far as the last MAX_TRACKED placements go)."""
+        return request_id in self._work
+
     def placed(self, request_id: str, target_id: str, work: float) -> None:
         self._work[request_id] = (target_id, work)
         while len(self._work) > self.max_tracked:
@@ -146,16 +151,23 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         self._last: dict[str, float] = {}  # candidate id → work, from the last `score`
         self._last_uncached: dict[str, float] = {}
         self._depths: dict[str, int] = {}  # candidate id → its matched blocks, from the last `score`
-        # per target, the uncached tokens of its latest pushes, newest last: the unseen ones
+        # per target, (request id, uncached tokens) of its latest pushes, newest last: the unseen ones
         # (`pushed_since_probe`, settled by each probe) are the prefill still ahead there
         self._pushed: dict[str, deque] = {}
 
     def unseen_prefill(self, view: ReplicaView) -> float:
+        """Uncached prompt tokens of the pushes to `view` its last probe has not counted: ours
+        (the newest of `pushed_since_probe`, skipping those already answered: a request that
+        ended before the next probe is not ahead of anyone, and a conversation's next turn or
+        a tree's children come right after it) and the other LB instances' (lb.core.instances)."""
+        remote = min(view.remote_since_probe, view.pushed_since_probe)
+        own = view.pushed_since_probe - remote
         pushed = self._pushed.get(view.id)
-        n = view.pushed_since_probe
-        if not pushed or n <= 0:
-            return 0.0
-        return sum(pushed[i] for i in range(max(0, len(pushed) - n), len(pushed)))
+        work = view.remote_prefill_since_probe
+        if pushed and own > 0:
+            unanswered = self.model.unanswered
+            work += sum(u for rid, u in islice(reversed(pushed), own) if unanswered(rid))
+        return work
 
     def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[float]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
@@ -178,7 +190,7 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         work = self._last.get(target_id, float(req.prompt_tokens))
         self.model.placed(req.request_id, target_id, work)
         uncached = self._last_uncached.get(target_id, float(req.prompt_tokens))
-        self._pushed.setdefault(target_id, deque(maxlen=MAX_UNSEEN_TRACKED)).append(uncached)
+        self._pushed.setdefault(target_id, deque(maxlen=MAX_UNSEEN_TRACKED)).append((req.request_id, uncached))
         self.trie.insert(request_chain(req, self.block_chars, self.isolate_tenants), target_id, now)
 
     def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,

@@ -59,6 +59,10 @@ class ReplicaView:
     # uncached prompt tokens of this LB's pushes to it without a first token yet (waiting or
     # prefilling there; lb.core.backlog keeps it, the scheduler copies it before each choice)
     prefill_ahead: float = 0.0
+    # of `pushed_since_probe`, the pushes other LB instances made (lb.core.instances), and the
+    # prompt tokens those would not find cached there (their own prefill work ahead)
+    remote_since_probe: int = 0
+    remote_prefill_since_probe: float = 0.0
     # (when, KV tokens) of recent pushes still in flight: what a probe may not have seen yet
     # (lb.core.pushing.record_push / settle_probe keep it; bounded by `outstanding`).
     push_log: deque = field(default_factory=deque, repr=False, compare=False)

@@ -3,9 +3,11 @@ every push it makes to a replica, so SP-P's headroom is not spent twice, and of 
 sent there, so every instance's prefix trie holds the region's history (lb.core.instances).
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
-tokens] by a sender task (a bounded queue: the request path never waits on Redis); a
-subscriber counts the others' pushes as unseen on the replica's view, and each of our probes
-re-counts the ones it cannot include. On with `[state] backend = "redis"` (turn off with
+tokens, prefix chain, request id, prompt tokens], and its answer as ["end", instance,
+replica id, request id], by a sender task (a bounded queue: the request path never waits on
+Redis); a subscriber counts the others' pushes as unseen on the replica's view until their
+answer or one of our probes includes them, and each of our probes re-counts the ones it
+cannot include. On with `[state] backend = "redis"` (turn off with
 `share_pushes = false`). Replicas are matched by id, so give every instance the same replica
 set (the same config, or the same discovery).
 """
@@ -19,7 +21,7 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.instances import decode_chain, encode_chain, note_remote_push, remote_unseen
+from lb.core.instances import decode_chain, encode_chain, note_remote_end, note_remote_push, remote_unseen
 from lb.core.prefix import request_chain
 from lb.core.pushing import push_tokens
 
@@ -42,6 +44,7 @@ class SharedPushes:
         self.tasks: list[asyncio.Task] = []
         self.redis = None
         dispatcher.on_dispatch.append(self.pushed)
+        dispatcher.on_complete.append(self.answered)
         registry.on_gone(lambda rep: (self.logs.pop(rep.id, None), self.probe_started.pop(rep.id, None)))
         prober.on_probe.append(self.probed)
 
@@ -65,8 +68,15 @@ class SharedPushes:
         """The dispatcher's on_dispatch: one push of ours, to be published."""
         mem = self.policy.prefix_memory  # the prefix-trie policies: share where this prefix went
         chain = encode_chain(request_chain(facts, mem.block_chars, mem.isolate_tenants)) if mem is not None else ""
+        self._publish([self.id, rep.id, time.time(), push_tokens(facts), chain, facts.request_id, facts.prompt_tokens])
+
+    def answered(self, facts, rep, out, now: float) -> None:
+        """The dispatcher's on_complete: the replica is done with our push, tell the others."""
+        self._publish(["end", self.id, rep.id, facts.request_id])
+
+    def _publish(self, message: list) -> None:
         try:
-            self.unsent.put_nowait((rep.id, time.time(), push_tokens(facts), chain))
+            self.unsent.put_nowait(message)
         except asyncio.QueueFull:
             self.dropped += 1
 
@@ -75,9 +85,11 @@ class SharedPushes:
         add the others' pushes this probe cannot include."""
         started = time.time() - (time.monotonic() - started_mono)
         self.probe_started[rep.id] = started
-        n, tokens = remote_unseen(self.logs[rep.id], started) if rep.id in self.logs else (0, 0)
+        n, tokens, prefill = remote_unseen(self.logs[rep.id], started) if rep.id in self.logs else (0, 0, 0.0)
         rep.view.pushed_since_probe += n
         rep.view.pushed_tokens_since_probe += tokens
+        rep.view.remote_since_probe = n
+        rep.view.remote_prefill_since_probe = prefill
 
     async def _send(self) -> None:
         while True:
@@ -86,8 +98,8 @@ class SharedPushes:
                 batch.append(self.unsent.get_nowait())
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for rid, t, tokens, chain in batch:
-                        pipe.publish(self.channel, orjson.dumps([self.id, rid, t, tokens, chain]))
+                    for message in batch:
+                        pipe.publish(self.channel, orjson.dumps(message))
                     await pipe.execute()
             except Exception as e:  # Redis away: each instance still counts its own pushes
                 log.warning("could not publish %d pushes to the other instances: %s: %s", len(batch),
@@ -111,9 +123,15 @@ class SharedPushes:
 
     def _heard(self, data: bytes) -> None:
         try:
-            sender, rid, t, tokens, chain = orjson.loads(data)
-            chain = decode_chain(chain)
-        except (ValueError, TypeError):
+            message = orjson.loads(data)
+            if message[0] == "end":
+                _, sender, rid, key = message
+                key = str(key)
+            else:  # an instance of an earlier release sends the first five fields only
+                sender, rid, t, tokens, chain = message[:5]
+                key, prompt = (str(message[5]), int(message[6])) if len(message) >= 7 else ("", 0)
+                chain = decode_chain(chain)
+        except (ValueError, TypeError, IndexError):
             return
         if sender == self.id:
             return
@@ -121,7 +139,15 @@ class SharedPushes:
         if rep is None:
             return
         self.received += 1
-        note_remote_push(rep.view, self.logs[rid], float(t), int(tokens), self.probe_started.get(rid))
+        if message[0] == "end":
+            note_remote_end(rep.view, self.logs[rid], key, self.probe_started.get(rid))
+            return
         mem = self.policy.prefix_memory
+        prefill = float(prompt)
         if chain and mem is not None:  # the other instance sent this prefix there: so would we now
+            # what it will prefill there: the prompt past the prefix the replica holds (over the
+            # shared blocks, a fraction of a longer prompt's chain)
+            depth, _ = mem.trie.match(chain, {rid})
+            prefill *= 1.0 - depth / len(chain)
             mem.trie.insert(chain, rid, time.monotonic())
+        note_remote_push(rep.view, self.logs[rid], float(t), int(tokens), self.probe_started.get(rid), key, prefill)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim.agreement import CASES, REPLICAS, SPEED, disagreements, line, live, simulate
+from bench.sim.agreement import CASES, REPLICAS, SPEED, disagreements, line, live, median_of, simulate
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_simulator_agrees_with_live_emulators(workload, tmp_path):
         # (mixed-tree live p90 635-954 ms against 1,011 simulated, 2026-11-24). Measure twice
         # more and judge the median of the three (a real simulator error moves all three).
         runs = [real] + [live(workload, case["params"], speed=SPEED, log_dir=tmp_path / str(i), **kw) for i in (2, 3)]
-        real = {k: sorted(r[k] for r in runs)[1] for k in real}
+        real = median_of(runs)
         print("median of 3 live runs:", line(workload, sim, real))
     assert sim["requests"] == real["requests"] == case["requests"]
     assert disagreements(sim, real) == []

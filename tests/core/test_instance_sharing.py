@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from lb.core.instances import MAX_REMOTE_LOG, note_remote_push, remote_unseen
+from lb.core.instances import MAX_REMOTE_LOG, note_remote_end, note_remote_push, remote_unseen
 from lb.core.pushing import has_headroom
 from lb.core.types import ReplicaView
 
@@ -18,8 +18,22 @@ def test_remote_pushes_after_our_probe_spend_headroom_and_a_later_probe_recounts
     note_remote_push(view, log, 98.0, 50, probe_started_at=99.0)  # before it: the engine's count has it
     assert view.pushed_since_probe == 2
     # a probe that started at 100.05 answers: it saw the first, not the second
-    assert remote_unseen(log, 100.05) == (1, 50)
-    assert remote_unseen(log, 200.0) == (0, 0) and not log  # old entries dropped
+    assert remote_unseen(log, 100.05) == (1, 50, 0.0)
+    assert remote_unseen(log, 200.0) == (0, 0, 0.0) and not log  # old entries dropped
+
+
+def test_an_answered_remote_push_stops_counting_before_the_next_probe():
+    view = ReplicaView(id="r", url="", healthy=True, max_running=1, running=0, kv_free_tokens=10_000)
+    log: deque = deque()
+    note_remote_push(view, log, 100.0, 50, 99.0, key="a", prefill=40.0)
+    note_remote_push(view, log, 100.1, 70, 99.0, key="b", prefill=60.0)
+    assert (view.pushed_since_probe, view.remote_since_probe, view.remote_prefill_since_probe) == (2, 2, 100.0)
+    assert note_remote_end(view, log, "a", 99.0)  # the other instance's answer came back
+    assert (view.pushed_since_probe, view.pushed_tokens_since_probe, view.remote_prefill_since_probe) == (1, 70, 60.0)
+    assert not note_remote_end(view, log, "a", 99.0)  # twice, or never heard: nothing to take back
+    assert note_remote_end(view, log, "b", 100.5)  # counted by a probe already: the probe's count stays
+    assert view.pushed_since_probe == 1 and not log
+    assert remote_unseen(log, 101.0) == (0, 0, 0.0)
 
 
 def test_the_remote_log_is_bounded():

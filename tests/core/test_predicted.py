@@ -49,6 +49,27 @@ def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_s
     assert policy.choose(follow, vs, now=3.0) == "r1"
 
 
+def test_an_unseen_push_already_answered_is_not_ahead_but_another_instances_unanswered_one_is():
+    """A conversation's next turn comes right after its answer, before the next probe: the
+    holder must not look busy with the turn it already answered."""
+    policy = make_policy("predicted-ttft", seed=1)
+    vs = views(2)
+    for v in vs:
+        for i in range(5):
+            teach(policy, v.id, f"{v.id}-{i}", 0.1, 0.1 + 99 * 0.02, 100, prompt(("warm", 2), (v.id, i + 1)))
+    history = prompt(("conversation", 16))
+    turn = req(history, rid="turn1", prompt_tokens=2048)
+    policy.observe(turn, "r1", now=1.0)  # its whole prompt is prefill work there
+    vs[1].pushed_since_probe = 1  # no probe since the push
+    follow = req(history + prompt(("next", 1)), rid="turn2", prompt_tokens=2176)
+    unanswered = policy.choose(follow, vs, now=1.1)
+    policy.served(turn, "r1", 0.3, 0.3 + 99 * 0.02, 100, now=1.5)  # answered, still before a probe
+    assert policy.choose(follow, vs, now=1.6) == "r1" and unanswered == "r0"
+    # the same push made by another LB instance (lb.core.instances) and not answered yet counts
+    vs[1].remote_since_probe, vs[1].remote_prefill_since_probe = 1, 2048.0
+    assert policy.choose(follow, vs, now=1.6) == "r0"
+
+
 def test_running_batch_counts_the_delay_a_cache_miss_adds_to_it():
     policy = make_policy("predicted-ttft", seed=1)
     vs = views(2, running=0)
