@@ -84,7 +84,7 @@ def cases() -> dict:
     rates = {"tot": 8.0, "mixed-tree": 9.0, "multiturn": 3.0, "mooncake": 3.5, "bursty": 5.0,
              "heterogeneous": 5.0, "regions": 6.0}
     for workload, rate in rates.items():
-        for system in ("lb", "lb blind", "lb least-load", "lb predicted", "sglang-router cache_aware"):
+        for system in ("lb", "lb blind", "lb least-load", "lb prefix-trie", "sglang-router cache_aware"):
             out[f"{workload} {system}"] = _compare(workload, system, 1, 120.0, rate)
     out["regions nginx least_conn"] = _compare("regions", "nginx least_conn", 2, 120.0, 6.0)
     for system in ("lb fcfs", "lb wsc", "lb wsc+oit"):
