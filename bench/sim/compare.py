@@ -47,11 +47,11 @@ def systems() -> list[str]:
     return list(LB_VARIANTS) + list(PEERS)
 
 
-def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None) -> Arena:
+def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True) -> Arena:
     fleet = fleet or get(workload).fleet
     if system in LB_VARIANTS:
-        return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]))
-    return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed))
+        return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]), stream=stream)
+    return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), stream=stream)
 
 
 WARM_SHARE = 0.2  # the first fifth of a run fills the fleet (closed-loop trees take tens of seconds); not measured
@@ -68,11 +68,12 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
     return done / (duration_s - warm)
 
 
-def run_one(args: tuple[str, str, int, float, float]) -> dict:
-    """One system, one seed: the per-seed figures (and raw TTFTs for the CDF)."""
-    workload, system, seed, rate_rps, duration_s = args
+def run_one(args: tuple) -> dict:
+    """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
+    args: (workload, system, seed, rate_rps, duration_s[, stream])."""
+    workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
-    arena = make_arena(workload, system, seed)
+    arena = make_arena(workload, system, seed, stream=rest[0] if rest else True)
     get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
@@ -128,9 +129,9 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict) -> dict:
 
 
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
-             workers: int, out: Path) -> dict:
+             workers: int, out: Path, stream: bool = True) -> dict:
     rate = load * capacity
-    jobs = [(workload, system, seed, rate, duration_s) for seed in range(seeds) for system in systems()]
+    jobs = [(workload, system, seed, rate, duration_s, stream) for seed in range(seeds) for system in systems()]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -138,7 +139,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
     else:
         runs = list(map(run_one, jobs))
     summary = summarize(workload, seeds, runs, {
-        "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s,
+        "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s, "stream": stream,
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
@@ -177,6 +178,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="offered load as a share of measured capacity (default 0.9)")
     parser.add_argument("--sweep", action="store_true", help=f"run loads {', '.join(map(str, SWEEP))} and plot against load")
     parser.add_argument("--list", action="store_true", help="name the workloads and exit")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="clients ask for whole answers (stream: false), as batch and third-party clients "
+                             "often do: no system sees a first token before the answer ends (TTFT is still "
+                             "reported as the engine's first token)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
 
 
@@ -202,10 +207,11 @@ def run(args: argparse.Namespace) -> int:
     for load in loads:
         where = out / f"load-{load:g}" if args.sweep else out
         summaries[load] = run_load(args.workload, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
-                                   workers=args.workers, out=where)
+                                   workers=args.workers, out=where, stream=not args.no_stream)
         from bench.sim.compare_report import table
 
-        print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each")
+        print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
+              + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot

@@ -295,8 +295,8 @@ class SimReplica:
             self.view.outstanding -= 1
             self.mark_stale()
             if req.first_token is not None:  # timed from the push, as the daemon's proxy times it
-                self.lb.served(req, self.id, req.first_token - req.pushed_at, now - req.pushed_at,
-                               f.output_tokens, now)
+                self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,
+                               now - req.pushed_at, f.output_tokens, now)
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
         self.probe_now()  # the daemon re-probes on completion
         self._maybe_stop()
@@ -454,15 +454,17 @@ class SimLB:
         self.arrive(req)
 
     def first_token(self, req: SimRequest) -> None:
-        """A request placed here produced its first token now (the daemon's first streamed event)."""
-        self.scheduler.first_token(req.facts.request_id, self.loop.now)
+        """A request placed here produced its first token now (the daemon's first streamed event;
+        a non-streamed answer shows none)."""
+        if req.facts.stream:
+            self.scheduler.first_token(req.facts.request_id, self.loop.now)
 
     def has_room(self) -> bool:
         """A peer's queue is short enough to take forwarded work (requests already forwarded
         here and still on the wire count as queued)."""
         return len(self.scheduler) + self.in_flight <= self.cfg.peer_queue_tau
 
-    def served(self, req: SimRequest, replica_id: str, ttft_s: float, e2e_s: float, output: int, now: float) -> None:
+    def served(self, req: SimRequest, replica_id: str, ttft_s: float | None, e2e_s: float, output: int, now: float) -> None:
         """A replica answered: the policy learns that replica's rates (`Scheduler.served`)."""
         self.scheduler.served(req.facts, replica_id, ttft_s, e2e_s, output, now)
 

@@ -266,7 +266,7 @@ class Simulation:
             request_id = f"r{self._req_no}"
         req = SimRequest(request_id, region, model, tenant, t, prompt, output_tokens, unique_prompt=not shares_prefix)
         req.facts = RequestFacts(request_id=request_id, model=model, prompt_tokens=len(prompt),
-                                 max_tokens=output_tokens, arrival=t, user=tenant)
+                                 max_tokens=output_tokens, arrival=t, user=tenant, stream=True)
         if self.chain_params is not None:  # what prefix-trie / cache-aware read (lb.core.prefix)
             block_chars, isolate = self.chain_params
             salt = tenant if isolate else None

@@ -59,9 +59,14 @@ MAX_UNSEEN_TRACKED = 128
 
 @dataclass
 class Rates:
-    """One replica's learned inter-token time (EWMA; None until its first sample)."""
+    """One replica's learned inter-token time: from streamed answers (EWMA; None until its
+    first sample), else from answers that came back whole (`TtftModel.served`)."""
 
     step_s: float | None = None
+    whole_step_s: float | None = None
+
+    def step(self) -> float | None:
+        return self.step_s if self.step_s is not None else self.whole_step_s
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
@@ -101,13 +106,15 @@ class TtftModel:
         """Predicted cost of placing the request on each view: its TTFT there for the given
         prefill work (tokens), plus (times `others_weight`) the delay its own uncached prefill
         adds to every request running there (each of their next tokens waits for it)."""
-        steps = [r.step_s for r in self.rates.values() if r.step_s is not None]
+        steps = [s for r in self.rates.values() if (s := r.step()) is not None]
         prior = median(steps) if steps else 1.0  # a replica without samples: assumed typical
         ratio = self.prefill_ratio()
         out = []
         for view, w, u in zip(views, work, uncached):
             r = self.rates.get(view.id)
-            step = r.step_s if r is not None and r.step_s is not None else prior
+            step = r.step() if r is not None else None
+            if step is None:
+                step = prior
             out.append(step * (1.0 + ratio * (w + self.others_weight * view.running * u)))
         return out
 
@@ -125,7 +132,18 @@ class TtftModel:
         """The response to a placed request came back: learn the target's speed and the
         fleet's prefill ratio from it."""
         placed = self._work.pop(request_id, None)
-        if ttft_s is None or ttft_s < 0:
+        if ttft_s is None:
+            # Answered whole (not streamed): only its end-to-end time, which the model puts at
+            # step x (n + ratio x work) (TTFT, then n - 1 steps). That gives the replica's step;
+            # the prefill ratio is left to streamed answers: fitted jointly from whole answers,
+            # whose time is mostly decode, it came out 0-0.07 across four equal replicas and
+            # all-non-streamed ToT's p90 went 335 -> 873 ms (`sim-compare --no-stream`).
+            if e2e_s is not None and e2e_s > 0 and output_tokens >= 1 and placed is not None and placed[0] == target_id:
+                r = self.rates.setdefault(target_id, Rates())
+                sample = e2e_s / (output_tokens + self.prefill_ratio() * placed[1])
+                r.whole_step_s = _ewma(r.whole_step_s, sample, self.alpha)
+            return
+        if ttft_s < 0:
             return
         r = self.rates.setdefault(target_id, Rates())
         if e2e_s is not None and output_tokens >= 2 and e2e_s > ttft_s:

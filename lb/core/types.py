@@ -135,8 +135,9 @@ class Policy(Protocol):
 
     def served(self, req: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
                output_tokens: int, now: float) -> None:
-        """`target_id` answered `req`: its first token after `ttft_s`, its last after `e2e_s`
-        (seconds from the push), `output_tokens` generated. Policies that learn rates use it."""
+        """`target_id` answered `req`: its first token after `ttft_s` (None when the answer came
+        back whole, not streamed), its last after `e2e_s` (seconds from the push),
+        `output_tokens` generated. Policies that learn rates use it."""
 
     def register(self, target_id: str) -> None:
         """A target became known, available or not (the consistent-hash ring keeps it)."""

@@ -76,7 +76,7 @@ def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
     monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "quick_duration_s", 15.0)
     monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)  # capacity is measured over it
     args = compare.argparse.Namespace(workload="tot", seeds=2, quick=True, out=str(tmp_path), load=0.9,
-                                      sweep=False, list=False, workers=1)
+                                      sweep=False, list=False, workers=1, no_stream=False)
     assert compare.run(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workload"] == "tot" and summary["seeds"] == 2
@@ -135,3 +135,22 @@ def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part()
     summary["systems"]["sglang-router round_robin"]["ttft_p90_s"]["ci95"] = [0.40, 4.9]
     assert standing(summary)["behind"] == []  # round robin's interval reaches lb's
     assert "behind with the intervals apart: nowhere" in table(summary)
+
+
+def test_clients_that_do_not_stream_show_lb_no_first_token():
+    """`sim-compare --no-stream`: the daemon sees a non-streamed answer only when it ends, so
+    the simulated `lb` must learn from whole answers too, and count none of them as prefill
+    ahead (lb.core.scheduler)."""
+    from bench.sim import compare
+    from bench.sim.workloads_sim import get
+
+    arena = compare.make_arena("tot", "lb", 0, stream=False)
+    get("tot").drive(arena, seed=0, rate_rps=20.0, stop_at=20.0)
+    first_tokens = []
+    lb = next(iter(arena.fronts.values()))
+    real = lb.scheduler.first_token
+    lb.scheduler.first_token = lambda rid, now: first_tokens.append(rid) or real(rid, now)
+    arena.loop.run(20.0)
+    assert arena.done and not first_tokens and not lb.scheduler.backlog.ahead
+    rates = lb.policy.scorers[0].model.rates
+    assert rates and all(r.step_s is None and r.whole_step_s > 0 for r in rates.values())

@@ -191,8 +191,19 @@ def peer_set(forward: str = "predicted") -> tuple[PeerSet, PeerTarget]:
     return PeerSet([eu], PeerRouter("nearest"), tau=2, stale_s=1.0, forward=forward), eu
 
 
-def admit(s: Scheduler, rid: str) -> None:
-    s.admit(QueueEntry(facts(rid=rid), enqueued_at=NOW, seq=int(rid[1:])), NOW)
+def admit(s: Scheduler, rid: str, stream: bool = True) -> None:
+    s.admit(QueueEntry(facts(rid=rid, stream=stream), enqueued_at=NOW, seq=int(rid[1:])), NOW)
+
+
+def test_a_push_answered_whole_is_not_counted_as_prefill_ahead():
+    """Only a stream's first event says its prefill is done; a non-streamed request would
+    count as prefill ahead through its whole decode (the probes' waiting count covers it)."""
+    s, local = scheduler(), Rep("a")
+    admit(s, "r1", stream=False)
+    admit(s, "r2")
+    placed = s.schedule(NOW, [local], None)
+    assert [p.kind for p in placed] == [Kind.REPLICA, Kind.REPLICA]
+    assert s.backlog.ahead == {"a": 1000}  # r2's prompt only
 
 
 def test_scheduler_forwards_what_a_busy_local_replica_would_take_late():

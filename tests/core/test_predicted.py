@@ -70,6 +70,25 @@ def test_an_unseen_push_already_answered_is_not_ahead_but_another_instances_unan
     assert policy.choose(follow, vs, now=1.6) == "r0"
 
 
+def test_answers_that_come_back_whole_teach_the_step_but_not_the_prefill_ratio():
+    """Non-streamed answers give only their end-to-end time: step x (n + ratio x work). A
+    replica twice as slow is seen from them; the prefill ratio is left to streamed answers."""
+    m = TtftModel(alpha=0.5)
+    ratio = m.prefill_ratio()
+    for i in range(20):
+        for target, step in (("r0", 0.02), ("r1", 0.04)):
+            work = 500.0 + 50 * i
+            m.placed(f"{target}-{i}", target, work)
+            m.served(f"{target}-{i}", target, None, step * (64 + ratio * work), 64)
+    assert abs(m.rates["r0"].step() - 0.02) < 1e-9 and abs(m.rates["r1"].step() - 0.04) < 1e-9
+    assert m.prefill_ratio() == ratio and m.rates["r0"].step_s is None
+    fast, slow = m.predict(views(2), [500.0, 500.0], [500.0, 500.0])
+    assert abs(slow / fast - 2.0) < 1e-9
+    m.placed("s", "r0", 500.0)
+    m.served("s", "r0", 0.05, 0.05 + 63 * 0.03, 64)  # a streamed answer: its step wins
+    assert abs(m.rates["r0"].step() - 0.03) < 1e-9
+
+
 def test_running_batch_counts_the_delay_a_cache_miss_adds_to_it():
     policy = make_policy("predicted-ttft", seed=1)
     vs = views(2, running=0)
