@@ -9,7 +9,7 @@ the request's TTFT there plus the delay it adds to the requests already running 
 - `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
   the trie says `r` holds (the prefix trie is the cache estimate).
 - `ahead(r)`: prefill work in front of it, the larger of two counts that miss different
-  things: the uncached tokens of this LB's pushes to `r` with no first token back yet
+  things: the uncached tokens of this LB's streamed pushes to `r` with no first token back yet
   (`view.prefill_ahead`, from `lb.core.backlog`: it sees requests the engine already runs
   but is still prefilling — a long prompt in chunked prefill holds every later one up for
   seconds while counting as one running request), and the engine's waiting requests at the
@@ -18,7 +18,8 @@ the request's TTFT there plus the delay it adds to the requests already running 
 - `running(r) x uncached(r)`: each running request's next token waits for this prefill,
   weighted by `others_weight` (default 0.05).
 - `step(r)`: the replica's inter-token time, learned from its streamed responses
-  ((e2e − TTFT) / (output tokens − 1)): the engine step a new request waits for at least
+  ((e2e − TTFT) / (output tokens − 1)), or while it has none from its non-streamed ones
+  (e2e / (output tokens + ratio x work)): the engine step a new request waits for at least
   once, longer on a replica with a bigger batch or slower hardware.
 - `ratio`: prefill time per token in steps, one number for the fleet (`TtftModel`).
 
