@@ -107,5 +107,11 @@ def test_a_prefix_lands_on_the_same_replica_whichever_instance_receives_it(tmp_p
         history = f"conversation {s}: " + " ".join(f"word{s}-{i}" for i in range(400))
         holder = ask(first, history)
         first_seen.add(holder)
+        # The next turn a moment later, as a user or a tool call sends it. Sent in the same
+        # millisecond, it can reach the other instance before the news that this answer ended
+        # (Redis pub/sub, never awaited on the request path): that instance then still counts
+        # the 400-word prompt as prefill ahead on the holder, level with recomputing it on the
+        # idle replica. Its next probe (every 100 ms) settles it either way.
+        time.sleep(0.25)
         assert ask(then, history + " and one more question") == holder, f"conversation {s} moved"
     assert len(first_seen) == 2  # the conversations were spread, so landing together is not chance
