@@ -26,6 +26,7 @@ is dropped), so a caller that misses an end cannot grow it.
 from __future__ import annotations
 
 import math
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -52,16 +53,21 @@ class Backlog:
         self.alpha, self.min_samples, self.max_tracked = alpha, min_samples, max_tracked
         self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
         self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
+        self._expiring: list[tuple[float, str]] = []  # (assumed end of prefill, request id), a heap
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # EW sums of the fit
         self.samples = 0
         self._error: float | None = None  # EW mean |observed − predicted| TTFT, s
         self._fit: tuple[int, tuple[float, float] | None] = (-1, None)  # (samples it was fitted at, fit)
 
     # -- what happens to pushes ---------------------------------------------------------
-    def placed(self, request_id: str, target_id: str, tokens: float, now: float) -> None:
+    def placed(self, request_id: str, target_id: str, tokens: float, now: float,
+               expires_at: float | None = None) -> None:
         """`request_id` was pushed to `target_id` now with `tokens` uncached prompt tokens (a
-        retry of the same id replaces its earlier push)."""
+        retry of the same id replaces its earlier push). `expires_at`: when to assume its
+        prefill done if no first token says so (a request that is not streamed)."""
         self._release(request_id)
+        if expires_at is not None:
+            heapq.heappush(self._expiring, (expires_at, request_id))
         ahead = self.ahead.get(target_id, 0.0) + tokens
         self.ahead[target_id] = ahead
         self._open[request_id] = _Push(target_id, tokens, ahead, now)
@@ -85,6 +91,18 @@ class Backlog:
         self._xx += a * (push.x * push.x - self._xx)
         self._xy += a * (push.x * y - self._xy)
         self.samples += 1
+
+    def expire(self, now: float) -> None:
+        """Release the pushes whose assumed end of prefill has come."""
+        heap = self._expiring
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            push = self._open.get(rid)
+            if push is not None:
+                self._release(rid)
+        if len(heap) > 2 * self.max_tracked:  # entries of pushes long released: rebuild
+            self._expiring = [e for e in heap if e[1] in self._open]
+            heapq.heapify(self._expiring)
 
     def ended(self, request_id: str) -> None:
         """It ended without a first token we saw (not streamed, failed, cancelled): its work

@@ -170,6 +170,7 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         self._last: dict[str, float] = {}  # candidate id → work, from the last `score`
         self._last_uncached: dict[str, float] = {}
         self._depths: dict[str, int] = {}  # candidate id → its matched blocks, from the last `score`
+        self._cost: dict[str, float] = {}  # candidate id → its predicted cost, from the last `score`
         # per target, (request id, uncached tokens) of its latest pushes, newest last: the unseen ones
         # (`pushed_since_probe`, settled by each probe) are the prefill still ahead there
         self._pushed: dict[str, deque] = {}
@@ -196,14 +197,17 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         work = [max(v.pending * prompt + self.unseen_prefill(v), v.prefill_ahead) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}
+        costs = self.model.predict(candidates, work, uncached)
+        self._cost = {v.id: c for v, c in zip(candidates, costs)}
         decision.matched_blocks, decision.total_blocks = max(depths.values(), default=0), len(chain)
         decision.reason = "predicted"
-        return [-t for t in self.model.predict(candidates, work, uncached)]
+        return [-t for t in costs]
 
     def chosen(self, decision: Decision) -> None:
         """The explanation names the chosen replica's own prefix match (what it will not
         recompute), not the best candidate's."""
         decision.matched_blocks = self._depths.get(decision.target, 0)
+        decision.predicted_ttft_s = self._cost.get(decision.target)
 
     def observe(self, req: RequestFacts, target_id: str, now: float) -> None:
         work = self._last.get(target_id, float(req.prompt_tokens))

@@ -258,6 +258,7 @@ class Scheduler:
     def advertise(self, targets: Iterable[Target], now: float) -> dict[str, dict]:
         """model → what a peer needs to predict a forward's TTFT here (`ttft` in
         `/lb/peer/status`): the fit and the work ahead on each replica that takes one now."""
+        self.backlog.expire(now)
         free: dict[str, list[str]] = {}
         for t in targets:
             if self.eligible(t, now):
@@ -300,6 +301,7 @@ class Scheduler:
 
     # -- one pass ----------------------------------------------------------------------------
     def schedule(self, now: float, targets: Iterable[Target], peers: PeerSet | None = None) -> list[Placement]:
+        self.backlog.expire(now)  # non-streamed pushes past their predicted TTFT
         if not len(self.queue):
             return []
         p = _Pass(self, list(targets), now)
@@ -362,11 +364,17 @@ class Scheduler:
         facts = entry.facts
         self._take(entry)
         record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now)
-        if facts.stream:
-            # Only a stream says when its prefill is done (its first event). A response that
-            # comes back whole would count as prefill ahead for its whole decode too (measured:
-            # all-non-streamed mixed-tree p90 840 -> 1,096 ms); the probes' waiting count covers it.
+        predicted = self.policy.last.predicted_ttft_s
+        if facts.stream:  # its first event will say when its prefill is done
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now)
+        elif predicted is not None:
+            # An answer that comes back whole says nothing until it ends: counted until then it
+            # looked like prefill ahead through its whole decode, and left out the replica's
+            # prefill went unseen. Its prefill is assumed done at its predicted TTFT (measured,
+            # all clients not streaming, p90 at 0.9x: bursty 1,997 -> 1,243 ms, mixed-tree
+            # 1,048 -> 825, streamed 1,168 and 840; docs/results.md).
+            self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now,
+                                expires_at=now + predicted)
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,

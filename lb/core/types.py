@@ -112,6 +112,7 @@ class Decision:
     # could, and a peer's predicted TTFT plus the round trip was lower by the margin)
     matched_blocks: int = 0
     total_blocks: int = 0
+    predicted_ttft_s: float | None = None  # the chosen target's predicted TTFT, if the policy predicts one
 
 
 class PrefixMemory(Protocol):

@@ -139,8 +139,8 @@ def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part()
 
 def test_clients_that_do_not_stream_show_lb_no_first_token():
     """`sim-compare --no-stream`: the daemon sees a non-streamed answer only when it ends, so
-    the simulated `lb` must learn from whole answers too, and count none of them as prefill
-    ahead (lb.core.scheduler)."""
+    the simulated `lb` must learn from whole answers too, and count each as prefill ahead only
+    until its predicted TTFT (lb.core.scheduler)."""
     from bench.sim import compare
     from bench.sim.workloads_sim import get
 
@@ -151,6 +151,10 @@ def test_clients_that_do_not_stream_show_lb_no_first_token():
     real = lb.scheduler.first_token
     lb.scheduler.first_token = lambda rid, now: first_tokens.append(rid) or real(rid, now)
     arena.loop.run(20.0)
-    assert arena.done and not first_tokens and not lb.scheduler.backlog.ahead
+    assert arena.done and not first_tokens
+    backlog = lb.scheduler.backlog
+    assert backlog._expiring  # every push waits for its assumed end of prefill, not a first token
+    backlog.expire(arena.loop.now + 3600.0)
+    assert not backlog.ahead
     rates = lb.policy.scorers[0].model.rates
     assert rates and all(r.step_s is None and r.whole_step_s > 0 for r in rates.values())

@@ -195,15 +195,35 @@ def admit(s: Scheduler, rid: str, stream: bool = True) -> None:
     s.admit(QueueEntry(facts(rid=rid, stream=stream), enqueued_at=NOW, seq=int(rid[1:])), NOW)
 
 
-def test_a_push_answered_whole_is_not_counted_as_prefill_ahead():
-    """Only a stream's first event says its prefill is done; a non-streamed request would
-    count as prefill ahead through its whole decode (the probes' waiting count covers it)."""
-    s, local = scheduler(), Rep("a")
+def test_a_push_answered_whole_counts_as_prefill_ahead_until_its_predicted_ttft():
+    """Only a stream's first event says its prefill is done. A non-streamed request counted
+    until its answer ends would look like prefill ahead through its whole decode: it counts
+    until the TTFT the policy predicted for it, or not at all when the policy predicts none."""
+    s, local = scheduler(), Rep("a")  # least-load: predicts no TTFT
     admit(s, "r1", stream=False)
-    admit(s, "r2")
-    placed = s.schedule(NOW, [local], None)
-    assert [p.kind for p in placed] == [Kind.REPLICA, Kind.REPLICA]
-    assert s.backlog.ahead == {"a": 1000}  # r2's prompt only
+    s.schedule(NOW, [local], None)
+    assert s.backlog.ahead == {}
+    s = Scheduler(SchedulerConfig(), make_policy("predicted-ttft"), make_queue("fcfs"))
+    admit(s, "r2", stream=False)
+    (p,) = s.schedule(NOW, [local], None)
+    predicted = s.policy.last.predicted_ttft_s
+    assert p.kind is Kind.REPLICA and predicted > 0 and s.backlog.ahead == {"a": 1000}
+    admit(s, "r3")  # streamed: counts until its first token
+    s.schedule(NOW, [local], None)
+    assert s.backlog.ahead == {"a": 2000}
+    s.schedule(NOW + predicted, [local], None)  # a pass after r2's predicted TTFT
+    assert s.backlog.ahead == {"a": 1000}
+    s.backlog.first_token("r3", NOW + predicted)
+    assert s.backlog.ahead == {}
+
+
+def test_assumed_ends_of_prefill_are_bounded():
+    b = Backlog(max_tracked=4)
+    for i in range(100):  # answered before their assumed end: the heap is rebuilt, not kept
+        b.placed(f"r{i}", "a", 10.0, float(i), expires_at=float(i) + 1000.0)
+        b.ended(f"r{i}")
+        b.expire(float(i))
+    assert len(b._expiring) <= 2 * 4 + 1 and not b.ahead
 
 
 def test_scheduler_forwards_what_a_busy_local_replica_would_take_late():
