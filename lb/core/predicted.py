@@ -9,7 +9,8 @@ the request's TTFT there plus the delay it adds to the requests already running 
 - `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
   the trie says `r` holds (the prefix trie is the cache estimate).
 - `ahead(r)`: prefill work in front of it, the larger of two counts that miss different
-  things: the uncached tokens of this LB's streamed pushes to `r` with no first token back yet
+  things: the uncached tokens of this LB's pushes to `r` with no first token back yet (a
+  non-streamed one: until its predicted TTFT)
   (`view.prefill_ahead`, from `lb.core.backlog`: it sees requests the engine already runs
   but is still prefilling — a long prompt in chunked prefill holds every later one up for
   seconds while counting as one running request), and the engine's waiting requests at the
