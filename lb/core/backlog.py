@@ -25,8 +25,9 @@ is dropped), so a caller that misses an end cannot grow it.
 """
 from __future__ import annotations
 
-import math
 import heapq
+import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ class Backlog:
         self.alpha, self.min_samples, self.max_tracked = alpha, min_samples, max_tracked
         self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
         self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
-        self._expiring: list[tuple[float, str]] = []  # (assumed end of prefill, request id), a heap
+        # (assumed end of prefill, tiebreak, request id, its push): a heap, for pushes not streamed
+        self._expiring: list[tuple[float, int, str, _Push]] = []
+        self._seq = itertools.count()
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # EW sums of the fit
         self.samples = 0
         self._error: float | None = None  # EW mean |observed − predicted| TTFT, s
@@ -66,11 +69,11 @@ class Backlog:
         retry of the same id replaces its earlier push). `expires_at`: when to assume its
         prefill done if no first token says so (a request that is not streamed)."""
         self._release(request_id)
-        if expires_at is not None:
-            heapq.heappush(self._expiring, (expires_at, request_id))
         ahead = self.ahead.get(target_id, 0.0) + tokens
         self.ahead[target_id] = ahead
-        self._open[request_id] = _Push(target_id, tokens, ahead, now)
+        push = self._open[request_id] = _Push(target_id, tokens, ahead, now)
+        if expires_at is not None:
+            heapq.heappush(self._expiring, (expires_at, next(self._seq), request_id, push))
         while len(self._open) > self.max_tracked:
             self._release(next(iter(self._open)))
 
@@ -96,12 +99,11 @@ class Backlog:
         """Release the pushes whose assumed end of prefill has come."""
         heap = self._expiring
         while heap and heap[0][0] <= now:
-            _, rid = heapq.heappop(heap)
-            push = self._open.get(rid)
-            if push is not None:
+            _, _, rid, push = heapq.heappop(heap)
+            if self._open.get(rid) is push:  # not answered, nor replaced by a retry's push
                 self._release(rid)
         if len(heap) > 2 * self.max_tracked:  # entries of pushes long released: rebuild
-            self._expiring = [e for e in heap if e[1] in self._open]
+            self._expiring = [e for e in heap if self._open.get(e[2]) is e[3]]
             heapq.heapify(self._expiring)
 
     def ended(self, request_id: str) -> None:

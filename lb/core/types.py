@@ -112,7 +112,9 @@ class Decision:
     # could, and a peer's predicted TTFT plus the round trip was lower by the margin)
     matched_blocks: int = 0
     total_blocks: int = 0
-    predicted_ttft_s: float | None = None  # the chosen target's predicted TTFT, if the policy predicts one
+    # the chosen target's predicted TTFT, if the policy predicts one (predicted-ttft: its cost,
+    # the TTFT plus the small delay the request adds to the batch running there)
+    predicted_ttft_s: float | None = None
 
 
 class PrefixMemory(Protocol):

@@ -224,6 +224,12 @@ def test_assumed_ends_of_prefill_are_bounded():
         b.ended(f"r{i}")
         b.expire(float(i))
     assert len(b._expiring) <= 2 * 4 + 1 and not b.ahead
+    b.placed("x", "a", 10.0, 0.0, expires_at=1.0)
+    b.placed("x", "b", 20.0, 0.5, expires_at=3.0)  # a retry elsewhere: the first assumed end is stale
+    b.expire(2.0)
+    assert b.ahead == {"b": 20.0}
+    b.expire(3.0)
+    assert b.ahead == {}
 
 
 def test_scheduler_forwards_what_a_busy_local_replica_would_take_late():
