@@ -2,7 +2,8 @@
 
 One aiohttp session (a keep-alive pool) streams every request with
 `stream_options.include_usage`, timing TTFT, inter-chunk gaps and E2E and reading the token
-counts from the usage chunk. Closed-loop workloads run `--clients` programs at a time;
+counts from the usage chunk (`--no-stream`: asks for whole answers, as batch and many
+third-party clients do; E2E and usage only, no TTFT). Closed-loop workloads run `--clients` programs at a time;
 open-loop replays fire at trace times divided by `--time-scale`. A run stops issuing at
 `--duration` or after `--requests`, and a hard `--deadline` cancels whatever is still in
 flight (reported as errors of kind `deadline`), so every run ends by itself.
@@ -74,6 +75,43 @@ def chunk_text(chunk: dict) -> str:
     return "".join(parts)
 
 
+async def send_whole(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
+                     record: RequestRecord, clock) -> str | None:
+    """One request answered whole (`stream: false`), filling `record` (no TTFT: the client
+    sees nothing before the end); returns the output text when it succeeded."""
+    body = spec.body(model)
+    body["stream"] = False
+    body.pop("stream_options", None)
+    sent = clock()
+    try:
+        async with session.post(url, data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json", **spec.headers()}) as resp:
+            record.status = resp.status
+            data = await resp.read()
+    except aiohttp.ClientConnectorError:
+        record.error = "connect"
+        return None
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        record.error = "disconnect" if record.status else "connect"
+        return None
+    record.e2e = clock() - sent
+    if record.status != 200:
+        record.error = f"http_{record.status}"
+        return None
+    try:
+        doc = orjson.loads(data)
+        text = doc["choices"][0]["message"]["content"] or ""
+    except (ValueError, KeyError, IndexError, TypeError):
+        record.error = "bad_body"
+        return None
+    usage = doc.get("usage") or {}
+    record.prompt_tokens = usage.get("prompt_tokens") or 0
+    record.output_tokens = usage.get("completion_tokens") or 0
+    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    record.ok = True
+    return text
+
+
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
                record: RequestRecord, clock) -> str | None:
     """Stream one request, filling `record`; returns the output text when it succeeded."""
@@ -136,7 +174,8 @@ class Bench:
 
     def __init__(self, targets: list[str], workload, *, model: str, clients: int,
                  duration: float | None, requests: int | None, time_scale: float,
-                 deadline: float, progress: bool):
+                 deadline: float, progress: bool, stream: bool = True):
+        self.send = send if stream else send_whole
         self.urls = itertools.cycle([t.rstrip("/") + "/v1/chat/completions" for t in targets])
         self.workload, self.model, self.clients = workload, model, clients
         self.duration, self.max_requests, self.time_scale = duration, requests, time_scale
@@ -158,7 +197,7 @@ class Bench:
         record = RequestRecord(spec.request_id, self.clock(), tenant=spec.user, tier=spec.tier,
                                interaction_id=spec.interaction_id, final=spec.final)
         self.records.append(record)
-        task = asyncio.ensure_future(send(session, next(self.urls), spec, self.model, record, self.clock))
+        task = asyncio.ensure_future(self.send(session, next(self.urls), spec, self.model, record, self.clock))
         self.inflight[task] = record
         task.add_done_callback(lambda t: (self.inflight.pop(t, None), self.completions.append(self.clock())))
         return task
@@ -245,7 +284,8 @@ async def discover_model(target: str) -> str:
 async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
                     duration: float | None = None, requests: int | None = None, seed: int = 0,
                     model: str | None = None, time_scale: float = 1.0, deadline: float | None = None,
-                    progress: bool = False, params: dict | None = None) -> tuple[dict, list[RequestRecord]]:
+                    progress: bool = False, params: dict | None = None,
+                    stream: bool = True) -> tuple[dict, list[RequestRecord]]:
     """Run one bounded workload; returns (run JSON, per-request records). Used by scenarios."""
     if duration is None and requests is None:
         requests = DEFAULT_REQUESTS
@@ -254,9 +294,10 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
     workload = make_workload(workload_name, seed=seed, **(params or {}))
     model = model or await discover_model(targets[0])
     bench = Bench(targets, workload, model=model, clients=clients, duration=duration,
-                  requests=requests, time_scale=time_scale, deadline=deadline, progress=progress)
+                  requests=requests, time_scale=time_scale, deadline=deadline, progress=progress,
+                  stream=stream)
     result, records = await bench.run()
-    result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, **result}
+    result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, "stream": stream, **result}
     return result, records
 
 
@@ -287,6 +328,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="workload parameter KEY=VALUE (JSON values), e.g. output_tokens=32")
     parser.add_argument("--out", type=Path, help="write the run JSON here")
     parser.add_argument("--records", type=Path, help="write one JSON line per request here")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="ask for whole answers (stream: false): E2E and usage only, no TTFT")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     result, records = asyncio.run(run_bench(
         args.target, args.workload, clients=args.clients, duration=args.duration,
         requests=args.requests, seed=args.seed, model=args.model, time_scale=args.time_scale,
-        deadline=args.deadline, progress=sys.stdout.isatty(), params=dict(args.param)))
+        deadline=args.deadline, progress=sys.stdout.isatty(), params=dict(args.param),
+        stream=not args.no_stream))
     print(report_mod.format_run(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,7 @@ class Compare:
     region_params: dict[str, dict] = field(default_factory=dict)  # per-region workload params
     quick: bool = False
     repeats: int = 1  # interleaved runs per system (lb-bench scenario compare-* --repeats N)
+    stream: bool = True  # False: clients ask for whole answers (--no-stream)
     notes: list[str] = field(default_factory=list)
     paper: list[str] = field(default_factory=list)  # the seed papers' headline numbers
     derived_notes: Callable[[dict[str, dict]], list[str]] | None = None  # variants → measured headline notes
@@ -170,7 +171,7 @@ async def _regional_clients(c: Compare, targets: dict[str, list[str]]) -> dict:
 
     jobs = {r.name: run_bench(targets[r.name], c.workload, clients=r.clients, duration=c.duration_s,
                               deadline=c.deadline_s, seed=c.seed + i,
-                              params={**c.params, **c.region_params.get(r.name, {})})
+                              params={**c.params, **c.region_params.get(r.name, {})}, stream=c.stream)
             for i, r in enumerate(c.regions) if r.clients > 0}
     results = await asyncio.gather(*jobs.values())
     records = [rec for _, recs in results for rec in recs]
@@ -210,7 +211,7 @@ async def _single(c: Compare, targets: list[str]) -> dict:
     from bench.client import run_bench
 
     result, _ = await run_bench(targets, c.workload, clients=c.clients, duration=c.duration_s, deadline=c.deadline_s,
-                                seed=c.seed, time_scale=c.time_scale, params=c.params)
+                                seed=c.seed, time_scale=c.time_scale, params=c.params, stream=c.stream)
     return result
 
 
@@ -256,12 +257,16 @@ def foreign_cores(machine: dict) -> float:
     return round(max(0.0, machine.get("host_cores_busy", 0.0) - machine.get("cores_used", 0.0)), 3)
 
 
-def with_repeats(c: Compare, repeats: int | None) -> Compare:
-    """`--repeats N`; unset: DEFAULT_REPEATS for a full run, 1 for a --quick smoke run."""
+def with_repeats(c: Compare, repeats: int | None, stream: bool = True) -> Compare:
+    """`--repeats N`; unset: DEFAULT_REPEATS for a full run, 1 for a --quick smoke run.
+    `--no-stream` (stream False): every client asks for whole answers."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
     c.repeats = n
+    c.stream = stream
+    if not stream:
+        c.notes = [*c.notes, "clients ask for whole answers (stream: false): no TTFT, compare E2E"]
     return c
 
 

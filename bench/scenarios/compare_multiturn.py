@@ -35,5 +35,5 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)

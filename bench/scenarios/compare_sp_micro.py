@@ -41,5 +41,5 @@ def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
             f"{p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}"]
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
+    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)

@@ -58,6 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, metavar="N",
                         help="compare-* scenarios: runs per system, interleaved (default 3; --quick 1)")
     parser.add_argument("--duration", type=float, metavar="S", help="run time in seconds, for scenarios that take one (chaos)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="compare-* scenarios: clients ask for whole answers (stream: false)")
 
 
 def list_scenarios() -> str:
@@ -109,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --repeats", file=sys.stderr)
             return 2
         extra["repeats"] = args.repeats
+    if getattr(args, "no_stream", False):
+        if "stream" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --no-stream", file=sys.stderr)
+            return 2
+        extra["stream"] = False
     summary = module.run(out_dir, args.quick, **extra)
     summary = {"scenario": args.name, **{k: v for k, v in summary.items() if k != "scenario"}}
     report.write_summary(out_dir / "summary.json", summary)

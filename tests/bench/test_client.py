@@ -71,6 +71,16 @@ def test_tot_run_has_the_schema_and_sane_values(tmp_path, emulator):
     assert len(report["ttft_quantiles_s"]) == 21
 
 
+def test_a_run_that_does_not_stream_reports_e2e_and_usage_but_no_ttft(tmp_path, emulator):
+    report, _ = bench_run(tmp_path, emulator, "--workload", "tot", "--clients", "3", "--requests", "30",
+                          "--param", "output_tokens=16", "--no-stream")
+    assert report["stream"] is False and report["ok"] == 30 and report["errors"] == 0
+    check_latency(report["e2e_s"])
+    assert report["ttft_s"]["p50"] is None and report["ttft_quantiles_s"] == []
+    assert report["output_tokens"] == 30 * 16  # from each answer's usage
+    assert 0 < report["cached_token_ratio"] < 1  # the trees grew from the whole answers' text
+
+
 def test_open_loop_replay_reports_per_tier_and_stops_at_requests(tmp_path, emulator):
     report, _ = bench_run(tmp_path, emulator, "--workload", "azure-conv", "--requests", "12",
                           "--time-scale", "50", "--param", "size_scale=0.05")
