@@ -3,10 +3,10 @@
 One aiohttp session (a keep-alive pool) streams every request with
 `stream_options.include_usage`, timing TTFT, inter-chunk gaps and E2E and reading the token
 counts from the usage chunk (`--no-stream`: asks for whole answers, as batch and many
-third-party clients do; E2E and usage only, no TTFT). Closed-loop workloads run `--clients` programs at a time;
-open-loop replays fire at trace times divided by `--time-scale`. A run stops issuing at
-`--duration` or after `--requests`, and a hard `--deadline` cancels whatever is still in
-flight (reported as errors of kind `deadline`), so every run ends by itself.
+third-party clients do; E2E and usage only, no TTFT). Closed-loop workloads run `--clients`
+programs at a time; open-loop replays fire at trace times divided by `--time-scale`. A run
+stops issuing at `--duration` or after `--requests`, and a hard `--deadline` cancels whatever
+is still in flight (reported as errors of kind `deadline`), so every run ends by itself.
 """
 from __future__ import annotations
 
@@ -101,15 +101,19 @@ async def send_whole(session: aiohttp.ClientSession, url: str, spec: RequestSpec
     try:
         doc = orjson.loads(data)
         text = doc["choices"][0]["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError):
+        read_usage(record, doc.get("usage") or {})
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         record.error = "bad_body"
         return None
-    usage = doc.get("usage") or {}
+    record.ok = True
+    return text
+
+
+def read_usage(record: RequestRecord, usage: dict) -> None:
+    """Token counts from an OpenAI `usage` object (a stream's last chunk, or a whole answer)."""
     record.prompt_tokens = usage.get("prompt_tokens") or 0
     record.output_tokens = usage.get("completion_tokens") or 0
     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    record.ok = True
-    return text
 
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
@@ -151,9 +155,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, mode
                     finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
                     usage = chunk.get("usage")
                     if usage:
-                        record.prompt_tokens = usage.get("prompt_tokens") or 0
-                        record.output_tokens = usage.get("completion_tokens") or 0
-                        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        read_usage(record, usage)
     except aiohttp.ClientConnectorError:
         record.error = "connect"
         return None

@@ -257,9 +257,9 @@ def foreign_cores(machine: dict) -> float:
     return round(max(0.0, machine.get("host_cores_busy", 0.0) - machine.get("cores_used", 0.0)), 3)
 
 
-def with_repeats(c: Compare, repeats: int | None, stream: bool = True) -> Compare:
-    """`--repeats N`; unset: DEFAULT_REPEATS for a full run, 1 for a --quick smoke run.
-    `--no-stream` (stream False): every client asks for whole answers."""
+def with_run_options(c: Compare, repeats: int | None, stream: bool = True) -> Compare:
+    """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
+    for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")

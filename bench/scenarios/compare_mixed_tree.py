@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_repeats
+from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_run_options
 
 DESCRIPTION = "Mixed Tree in one region: two 4-branch + six 2-branch ToT clients, lb vs routers, 4 replicas"
 CLIENTS = 8
@@ -30,4 +30,4 @@ def compare(quick: bool) -> Compare:
 
 
 def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)
+    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)

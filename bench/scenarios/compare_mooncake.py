@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_repeats
+from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_run_options
 
 DESCRIPTION = "Mooncake trace replay (prefix blocks kept, contexts clipped), lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -31,4 +31,4 @@ def compare(quick: bool) -> Compare:
 
 
 def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)
+    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)

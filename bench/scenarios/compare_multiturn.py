@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_repeats
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_run_options
 
 DESCRIPTION = "multi-turn, 3 regions (20 clients each): lb per region vs SGLang/vLLM router, nginx, direct in us"
 PAPER_CLIENTS = 80  # per region
@@ -36,4 +36,4 @@ def compare(quick: bool) -> Compare:
 
 
 def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)
+    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)

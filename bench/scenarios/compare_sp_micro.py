@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare, with_repeats
+from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare, with_run_options
 from bench.scenarios.sp_micro import CLIENTS, SP_O_MAX_OUTSTANDING
 from bench.systems import lb
 
@@ -42,4 +42,4 @@ def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
 
 
 def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)
+    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)

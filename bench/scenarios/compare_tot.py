@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_repeats
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_run_options
 
 DESCRIPTION = "Tree of Thoughts, 3 regions (20/10/10 clients, 2-branch): lb per region vs routers in us"
 PAPER_CLIENTS = {"us": 40, "eu": 20, "asia": 20}
@@ -35,4 +35,4 @@ def compare(quick: bool) -> Compare:
 
 
 def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_repeats(compare(quick), repeats, stream), out_dir)
+    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)

@@ -99,7 +99,6 @@ class Call:
     stage: int | None = None
     final: bool = False
     tier: Tier = Tier.IW_N
-    stream: bool = True  # False: the LB sees no first token, only the whole answer (as the daemon)
 
 
 class PeerFront:
@@ -202,7 +201,7 @@ class Arena:
                  jitter_seed: int = 0, stream: bool = True):
         self.fleet, self.system, self.seed = fleet, system, seed
         self._http_s, self._jitter = http_s, http_jitter
-        self.stream = stream  # False: every client asks for whole answers (Call.stream)
+        self.stream = stream  # False: every client asks for whole answers: the LB sees no first token
         self._rng = random.Random(f"http-{seed}-{jitter_seed}")
         self.loop = EventLoop()
         self.profile = get_profile(fleet.profile)
@@ -260,7 +259,7 @@ class Arena:
         req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
                                  max_tokens=call.output_tokens, arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
-                                 final_call=call.final, tier=call.tier, stream=call.stream and self.stream)
+                                 final_call=call.final, tier=call.tier, stream=self.stream)
         if isinstance(front, PeerFront):
             front.arrive(req, call)
             return

@@ -9,8 +9,11 @@ instance would hand out the whole headroom, and the replica would get it twice.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import dataclass
 
+from lb.core.prefix import PrefixTrie
 from lb.core.types import ReplicaView
 
 MAX_REMOTE_LOG = 1024  # the others' pushes remembered per replica (only recent ones matter)
@@ -80,3 +83,63 @@ def decode_chain(text: str) -> tuple[bytes, ...]:
     if len(raw) % HASH_BYTES or len(raw) > MAX_SHARED_BLOCKS * HASH_BYTES:
         raise ValueError("not a prefix chain")
     return tuple(raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES))
+
+
+# -- the messages on the shared channel (lb.daemon.instances publishes and hears them) ----------
+END = "end"
+
+
+@dataclass(frozen=True)
+class HeardPush:
+    sender: str
+    replica: str
+    at: float  # wall clock of the push, as the sender stamped it
+    tokens: int  # KV tokens it may take
+    chain: tuple[bytes, ...]  # its prefix chain (may be empty)
+    key: str  # its request id ("" from an instance of an earlier release)
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class HeardEnd:
+    sender: str
+    replica: str
+    key: str
+
+
+def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int) -> list:
+    return [sender, replica, at, tokens, chain, key, prompt_tokens]
+
+
+def end_message(sender: str, replica: str, key: str) -> list:
+    return [END, sender, replica, key]
+
+
+def parse_message(doc: object) -> HeardPush | HeardEnd | None:
+    """What another instance published, or None for anything that is not a well-formed message
+    (a peer of an earlier release sends a push's first five fields only)."""
+    try:
+        if not isinstance(doc, list):
+            return None
+        if doc and doc[0] == END:
+            _, sender, replica, key = doc
+            return HeardEnd(str(sender), str(replica), str(key))
+        sender, replica, at, tokens, chain = doc[:5]
+        key, prompt = (str(doc[5]), int(doc[6])) if len(doc) >= 7 else ("", 0)
+        at, tokens = float(at), int(tokens)
+        if not (math.isfinite(at) and tokens >= 0 and prompt >= 0):
+            return None
+        return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt)
+    except (ValueError, TypeError, OverflowError):
+        return None
+
+
+def heard_prefill(trie: PrefixTrie, push: HeardPush, now: float) -> float:
+    """The prompt tokens the other instance's push will prefill on its replica (the prompt past
+    the prefix our trie says the replica holds; over the shared blocks, a fraction of a longer
+    prompt's chain), after which our trie records that the replica holds its prefix too."""
+    if not push.chain:
+        return float(push.prompt_tokens)
+    depth, _ = trie.match(push.chain, {push.replica})
+    trie.insert(push.chain, push.replica, now)
+    return push.prompt_tokens * (1.0 - depth / len(push.chain))

@@ -21,7 +21,8 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.instances import decode_chain, encode_chain, note_remote_end, note_remote_push, remote_unseen
+from lb.core.instances import (HeardEnd, encode_chain, end_message, heard_prefill, note_remote_end, note_remote_push,
+                               parse_message, push_message, remote_unseen)
 from lb.core.prefix import request_chain
 from lb.core.pushing import push_tokens
 
@@ -68,11 +69,12 @@ class SharedPushes:
         """The dispatcher's on_dispatch: one push of ours, to be published."""
         mem = self.policy.prefix_memory  # the prefix-trie policies: share where this prefix went
         chain = encode_chain(request_chain(facts, mem.block_chars, mem.isolate_tenants)) if mem is not None else ""
-        self._publish([self.id, rep.id, time.time(), push_tokens(facts), chain, facts.request_id, facts.prompt_tokens])
+        self._publish(push_message(self.id, rep.id, time.time(), push_tokens(facts), chain, facts.request_id,
+                                   facts.prompt_tokens))
 
     def answered(self, facts, rep, out, now: float) -> None:
         """The dispatcher's on_complete: the replica is done with our push, tell the others."""
-        self._publish(["end", self.id, rep.id, facts.request_id])
+        self._publish(end_message(self.id, rep.id, facts.request_id))
 
     def _publish(self, message: list) -> None:
         try:
@@ -123,31 +125,19 @@ class SharedPushes:
 
     def _heard(self, data: bytes) -> None:
         try:
-            message = orjson.loads(data)
-            if message[0] == "end":
-                _, sender, rid, key = message
-                key = str(key)
-            else:  # an instance of an earlier release sends the first five fields only
-                sender, rid, t, tokens, chain = message[:5]
-                key, prompt = (str(message[5]), int(message[6])) if len(message) >= 7 else ("", 0)
-                chain = decode_chain(chain)
-        except (ValueError, TypeError, IndexError):
+            heard = parse_message(orjson.loads(data))
+        except orjson.JSONDecodeError:
             return
-        if sender == self.id:
+        if heard is None or heard.sender == self.id:
             return
-        rep = self.registry.replicas.get(rid)
+        rep = self.registry.replicas.get(heard.replica)
         if rep is None:
             return
         self.received += 1
-        if message[0] == "end":
-            note_remote_end(rep.view, self.logs[rid], key, self.probe_started.get(rid))
+        log, probe_started = self.logs[rep.id], self.probe_started.get(rep.id)
+        if isinstance(heard, HeardEnd):
+            note_remote_end(rep.view, log, heard.key, probe_started)
             return
-        mem = self.policy.prefix_memory
-        prefill = float(prompt)
-        if chain and mem is not None:  # the other instance sent this prefix there: so would we now
-            # what it will prefill there: the prompt past the prefix the replica holds (over the
-            # shared blocks, a fraction of a longer prompt's chain)
-            depth, _ = mem.trie.match(chain, {rid})
-            prefill *= 1.0 - depth / len(chain)
-            mem.trie.insert(chain, rid, time.monotonic())
-        note_remote_push(rep.view, self.logs[rid], float(t), int(tokens), self.probe_started.get(rid), key, prefill)
+        mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
+        prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
+        note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)

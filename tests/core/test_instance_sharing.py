@@ -53,3 +53,30 @@ def test_a_prefix_chain_travels_between_instances_bounded():
     import pytest
     with pytest.raises(ValueError):
         decode_chain("abcd")  # not whole hashes
+
+
+def test_messages_round_trip_and_anything_malformed_is_ignored():
+    from lb.core.instances import (HeardEnd, HeardPush, encode_chain, end_message, parse_message, push_message)
+    from lb.core.prefix import block_hashes
+    chain = block_hashes("p" * 1000, 128)
+    push = parse_message(push_message("a", "r1", 100.5, 900, encode_chain(chain), "req-1", 800))
+    assert push == HeardPush("a", "r1", 100.5, 900, chain, "req-1", 800)
+    assert parse_message(end_message("a", "r1", "req-1")) == HeardEnd("a", "r1", "req-1")
+    old = parse_message(["a", "r1", 100.5, 900, ""])  # an instance of an earlier release
+    assert old == HeardPush("a", "r1", 100.5, 900, (), "", 0)
+    for bad in (None, {}, [], ["end"], ["end", "a", "r1"], ["a", "r1", "x", 900, ""], ["a", "r1", float("nan"), 9, ""],
+                ["a", "r1", 1.0, -5, ""], ["a", "r1", 1.0, 9, "abcd"], ["a", "r1", 1.0, 9, "", "k", "many"],
+                ["a", "r1", 1e400, 9, ""], "text"):
+        assert parse_message(bad) is None, bad
+
+
+def test_a_heard_push_prefills_what_its_replica_lacks_and_teaches_our_trie():
+    from lb.core.instances import HeardPush, heard_prefill
+    from lb.core.prefix import PrefixTrie, block_hashes
+    trie = PrefixTrie()
+    chain = block_hashes("q" * 1024, 128)  # 8 blocks
+    trie.insert(chain[:6], "r1", 0.0)  # r1 holds 6 of its 8 blocks
+    push = HeardPush("a", "r1", 1.0, 1100, chain, "k", 1000)
+    assert heard_prefill(trie, push, 1.0) == 250.0
+    assert heard_prefill(trie, push, 2.0) == 0.0  # now our trie says r1 holds all of it
+    assert heard_prefill(trie, HeardPush("a", "r2", 1.0, 10, (), "k", 7), 2.0) == 7.0
