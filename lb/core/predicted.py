@@ -57,6 +57,13 @@ MAX_TRACKED = 65_536
 DEFAULT_OTHERS_WEIGHT = 0.05
 # Uncached prefill of the latest pushes kept per target; more than SP-P's unseen cap (64).
 MAX_UNSEEN_TRACKED = 128
+# A TTFT teaches the prefill ratio only if the prediction counted some work for it. A fully
+# cached prompt with nothing ahead still waits for the step in flight (its excess over one
+# step is not zero), and fed to the ratio (mean excess over mean work) such samples drove the
+# work average to 0 and the ratio to infinity: with 120 ToT clients on 4 replicas it passed
+# 70 steps per token within 150 s and overflowed by 450 s, every cost became inf or nan, and
+# TTFT p90 went from ~450 ms to 1-2.7 s for the rest of the run (bench.sim.spp over 1,500 s).
+MIN_WORK_TOKENS = 1.0
 
 
 @dataclass
@@ -150,7 +157,7 @@ class TtftModel:
         r = self.rates.setdefault(target_id, Rates())
         if e2e_s is not None and output_tokens >= 2 and e2e_s > ttft_s:
             r.step_s = _ewma(r.step_s, (e2e_s - ttft_s) / (output_tokens - 1), self.alpha)
-        if placed is not None and placed[0] == target_id and r.step_s:
+        if placed is not None and placed[0] == target_id and r.step_s and placed[1] >= MIN_WORK_TOKENS:
             self._excess_steps = _ewma(self._excess_steps, max(0.0, ttft_s - r.step_s) / r.step_s, self.alpha)
             self._work_tokens = _ewma(self._work_tokens, placed[1], self.alpha)
 

@@ -154,3 +154,18 @@ def test_a_bad_others_weight_is_refused_naming_the_option():
         with pytest.raises(ValueError, match="others_weight must be a number >= 0"):
             make_policy("predicted-ttft", others_weight=bad)
     make_policy("predicted-ttft", others_weight=0)  # 0 is allowed: ignore the running batch
+
+
+def test_fully_cached_requests_with_nothing_ahead_do_not_drive_the_prefill_ratio_to_infinity():
+    m = TtftModel(alpha=0.1)
+    for i in range(20):  # requests with prefill work: a finite ratio
+        m.placed(f"w{i}", "r0", 200.0)
+        m.served(f"w{i}", "r0", 0.04, 0.04 + 63 * 0.02, 64)  # one step, plus one more for 200 tokens
+    learned = m.prefill_ratio()
+    for i in range(5_000):  # then only fully cached prompts: no work counted, ~1.5 steps to the first token
+        m.placed(f"z{i}", "r0", 0.0)
+        m.served(f"z{i}", "r0", 0.03, 0.03 + 63 * 0.02, 64)
+    assert m.prefill_ratio() == learned  # they say nothing about the cost per token
+    vs = views(2)
+    holder, other = m.predict(vs, [0.0, 300.0], [0.0, 300.0])
+    assert 0.0 < holder < other < float("inf")
