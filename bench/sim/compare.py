@@ -182,6 +182,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="clients ask for whole answers (stream: false), as batch and third-party clients "
                              "often do: no system sees a first token before the answer ends (TTFT is still "
                              "reported as the engine's first token)")
+    parser.add_argument("--duration", type=float,
+                        help="virtual seconds per run (default: the workload's, 300; --quick 150). Longer runs show "
+                             "what only a steady state shows: a learned rate that drifts took ~10 minutes to appear")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
 
 
@@ -194,11 +197,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--load must be > 0 (a share of the fleet's capacity, e.g. 0.9)")
     workload = get(args.workload)
     if workload.runner is not None:  # its own systems and columns (e.g. fairness)
+        if getattr(args, "duration", None) is not None:
+            raise SystemExit(f"--duration does not apply to {args.workload} (its runs keep the live scenario's length)")
         return workload.runner(args)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise SystemExit("--seeds must be >= 1")
-    duration = workload.quick_duration_s if args.quick else workload.duration_s
+    duration = args.duration if args.duration is not None else (
+        workload.quick_duration_s if args.quick else workload.duration_s)
+    if duration <= 0:
+        raise SystemExit("--duration must be > 0 (virtual seconds, e.g. 1500)")
     out = Path(args.out)
     wall = time.perf_counter()
     capacity = capacity_for(args.workload, out)

@@ -73,13 +73,13 @@ def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
 
     monkeypatch.setattr(compare, "LB_VARIANTS", {"lb": {}})
     monkeypatch.setattr(compare, "PEERS", {k: v for k, v in compare.PEERS.items() if k == "nginx least_conn"})
-    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "quick_duration_s", 15.0)
     monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)  # capacity is measured over it
     args = compare.argparse.Namespace(workload="tot", seeds=2, quick=True, out=str(tmp_path), load=0.9,
-                                      sweep=False, list=False, workers=1, no_stream=False)
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0)
     assert compare.run(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workload"] == "tot" and summary["seeds"] == 2
+    assert summary["duration_s"] == 12.0  # --duration overrides the workload's (quick) length
     assert set(summary["systems"]) == {"lb", "nginx least_conn"}
     for entry in summary["systems"].values():
         for metric in ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cached_ratio"):
