@@ -668,12 +668,19 @@ class _MetricsCollector:
         engine = {"engine": "0"}
         yield gauge("vllm:num_requests_running", "Running requests", load.num_running, engine)
         yield gauge("vllm:num_requests_waiting", "Waiting requests", load.num_waiting, engine)
+        # as vLLM 0.32 publishes it (seen live): every wait here is for scheduling capacity
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.",
+                                      labels=labels + ["engine", "reason"])
+        by_reason.add_metric([emu.model, "0", "capacity"], load.num_waiting)
+        by_reason.add_metric([emu.model, "0", "deferred"], 0)
+        yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV usage 0..1", load.token_usage, engine)
         # vLLM's info gauge (always 1): its labels carry the KV capacity, as
         # vllm/v1/metrics/loggers.py `log_metrics_info("cache_config", ...)` publishes it
         yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0,
                     {**engine, "block_size": str(VLLM_BLOCK_SIZE),
                      "num_gpu_blocks": str(load.kv_total_tokens // VLLM_BLOCK_SIZE),
+                     "kv_cache_size_tokens": str(load.kv_total_tokens // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE),
                      "enable_prefix_caching": "True", "cache_dtype": "auto"})
         yield counter("vllm:prompt_tokens", "Prompt tokens", c.prompt_tokens, engine)
         yield counter("vllm:generation_tokens", "Generated tokens", c.generation_tokens, engine)

@@ -226,7 +226,7 @@ class SimReplica:
     def push(self, req: SimRequest) -> None:
         """The scheduler placed `req` here (and counted the push on the view): run it."""
         now = self.loop.now
-        if not self._early_probe_due:
+        if not self._early_probe_due and self.lb.wants_probe(self.view):
             self._early_probe_due = True
             self.loop.after(self.lb.cfg.early_reprobe_s, self.early_probe)
         self.requests[req.id] = req
@@ -289,6 +289,7 @@ class SimReplica:
 
     def _finished(self, finished) -> None:
         now = self.loop.now
+        self._before_change(now)  # the LB's count changes below: keep the tick's state first
         for f in finished:
             req = self.requests.pop(f.id)
             req.finished_at = now
@@ -298,7 +299,11 @@ class SimReplica:
                 self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,
                                now - req.pushed_at, f.output_tokens, now)
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
-        self.probe_now()  # the daemon re-probes on completion
+        # the daemon re-probes on completion when a decision waits on it, judged on its view as
+        # of the last grid probe (brought there first: views are kept lazily here)
+        self.lb.refresh(now, [self.model])
+        if self.lb.wants_probe(self.view):
+            self.probe_now()
         self._maybe_stop()
         self.lb.dispatch()
 
@@ -416,6 +421,9 @@ class SimLB:
     # -- requests ----------------------------------------------------------------------
     def available(self, view: ReplicaView) -> bool:
         return self.scheduler.available(view)
+
+    def wants_probe(self, view: ReplicaView) -> bool:
+        return self.scheduler.wants_probe(view)
 
     def arrive(self, req: SimRequest) -> None:
         self._seq += 1

@@ -8,7 +8,7 @@ and llama.cpp serve (see the tests in tests/core/test_health_loadparse.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import orjson
 
@@ -60,32 +60,44 @@ def parse_sglang_get_load(body: bytes) -> EngineLoad:
     return EngineLoad(pending=pending, running=max(0, total - pending))
 
 
-def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
-    """Sum each named sample over its label sets; names absent from `text` are absent.
+def samples(text: bytes, name: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(label set, value) of each sample line of metric `name` in a Prometheus text page.
 
-    A line scan, not a full parser: a probe every 100 ms per replica must stay cheap.
+    Found with bytes.find, not by splitting the page: vLLM 0.32's /metrics is 53 kB and 644
+    lines (histograms of every latency), and a probe per replica every 100 ms, plus one soon
+    after each push, must not walk all of it in Python (a line walk took 1.3 ms per page).
     """
-    wanted = {n.encode() for n in names}
+    needle = b"\n" + name
+    at = 0 if text.startswith(name) else _line_at(text.find(needle))
+    while at >= 0:
+        end = text.find(b"\n", at)
+        line = text[at:] if end < 0 else text[at:end]
+        sep = line[len(name):len(name) + 1]  # not a longer name that starts with this one
+        if sep == b"{":  # a label set, then the value (label values may hold spaces)
+            labels, _, rest = line[len(name):].rpartition(b"}")
+            yield labels + b"}", rest.strip()
+        elif sep == b" ":
+            yield b"", line[len(name):].strip()
+        if end < 0:
+            return
+        at = _line_at(text.find(needle, end))
+
+
+def _line_at(newline: int) -> int:
+    """Where the line after a newline found by `find` starts; -1 when none was found."""
+    return -1 if newline < 0 else newline + 1
+
+
+def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
+    """Sum each named sample over its label sets; names absent from `text` are absent."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == 35:  # '#'
-            continue
-        end = len(line)
-        for sep in (b"{", b" "):
-            i = line.find(sep)
-            if 0 < i < end:
-                end = i
-        name = line[:end]
-        if name not in wanted:
-            continue
-        rest = line.rsplit(b"}", 1)[-1] if line[end:end + 1] == b"{" else line[end:]
-        value = rest.split()
-        if not value:
-            continue
-        try:
-            out[name.decode()] = out.get(name.decode(), 0.0) + float(value[0])
-        except ValueError:
-            continue
+    for n in names:
+        for _, value in samples(text, n.encode()):
+            try:
+                v = float(value.split()[0])
+            except (ValueError, IndexError):
+                continue
+            out[n] = out.get(n, 0.0) + v
     return out
 
 
@@ -132,25 +144,17 @@ def _vllm_free_kv(text: bytes) -> tuple[float | None, int | None]:
     one engine has is what one push can use, as for SGLang's dp ranks.
     """
     usage: dict[bytes, float] = {}
-    capacity: dict[bytes, int] = {}
-    for line in text.splitlines():
-        if not line.startswith(b"vllm:") or b"{" not in line:
-            continue
-        name, _, rest = line.partition(b"{")
-        labels, _, value = rest.rpartition(b"}")
-        engine = _label(b"{" + labels, b"engine") or b""
-        if name in _VLLM_KV_USAGE:
+    for name in reversed(_VLLM_KV_USAGE):  # the current name last: it wins when a version serves both
+        for labels, value in samples(text, name):
             try:
-                v = float(value.split()[0])
+                usage[_label(labels, b"engine") or b""] = float(value.split()[0])
             except (ValueError, IndexError):
                 continue
-            # the current name wins over the deprecated one when a version serves both
-            if name == _VLLM_KV_USAGE[0] or engine not in usage:
-                usage[engine] = v
-        elif name == _VLLM_CACHE_INFO:
-            blocks, size = _label(b"{" + labels, b"num_gpu_blocks"), _label(b"{" + labels, b"block_size")
-            if blocks and size and blocks.isdigit() and size.isdigit():  # "None" before profiling
-                capacity[engine] = int(blocks) * int(size)
+    capacity: dict[bytes, int] = {}
+    for labels, _ in samples(text, _VLLM_CACHE_INFO):
+        blocks, size = _label(labels, b"num_gpu_blocks"), _label(labels, b"block_size")
+        if blocks and size and blocks.isdigit() and size.isdigit():  # "None" before profiling
+            capacity[_label(labels, b"engine") or b""] = int(blocks) * int(size)
     if not usage:
         return None, None
     free = [int((1.0 - min(1.0, max(0.0, u))) * capacity[e]) for e, u in usage.items() if e in capacity]

@@ -17,7 +17,9 @@ the request's TTFT there plus the delay it adds to the requests already running 
   last probe (at this request's size, the only size the LB knows for them; they include
   other clients' work) plus the uncached tokens of the pushes no probe has counted yet.
 - `running(r) x uncached(r)`: each running request's next token waits for this prefill,
-  weighted by `others_weight` (default 0.05).
+  weighted by `others_weight` (default 0.05). `running(r)` is the last probe's count plus the
+  pushes it has not seen: probes come early only when a decision waits on them
+  (`Scheduler.wants_probe`), so between them the LB's own pushes are what it knows.
 - `step(r)`: the replica's inter-token time, learned from its streamed responses
   ((e2e − TTFT) / (output tokens − 1)), or while it has none from its non-streamed ones
   (e2e / (output tokens + ratio x work)): the engine step a new request waits for at least
@@ -124,7 +126,7 @@ class TtftModel:
             step = r.step() if r is not None else None
             if step is None:
                 step = prior
-            out.append(step * (1.0 + ratio * (w + self.others_weight * view.running * u)))
+            out.append(step * (1.0 + ratio * (w + self.others_weight * (view.running + view.pushed_since_probe) * u)))
         return out
 
     def unanswered(self, request_id: str) -> bool:

@@ -33,6 +33,13 @@ DEFAULT_MAX_OUTSTANDING = 32
 # onto one replica (no credit) or waiting 100 ms per request (credit 1 without early re-probes).
 DEFAULT_PUSH_CREDIT = 4
 DEFAULT_MAX_UNSEEN = 64
+# An engine that does not report its batch cap (vLLM keeps max_num_seqs to itself; llama.cpp
+# its slot count) shows it at a probe: requests waiting while most of its KV is free means
+# the batch is full, and what runs is the cap. Seen live on vLLM 0.32 (CPU, --max-num-seqs 4):
+# 36 of a 40-request burst waited inside vLLM, "capacity" its reason, at 0.1 % KV usage,
+# because a KV room of 524,288 tokens let SP-P push all 40 before a probe came back. Above
+# this usage the KV may be what binds (it admits by blocks free), so nothing is learned.
+KV_BOUND_USAGE = 0.8
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -52,12 +59,34 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
         return False
     unseen = view.pushed_since_probe
     if view.kv_free_tokens is None:  # the engine does not say how much room it has
-        return unseen < push_credit
+        return unseen < push_credit and not _over_learned_cap(view, unseen)
     if unseen >= max_unseen:
         return False
     if view.max_running is not None and view.running + unseen >= view.max_running:
         return False
+    if _over_learned_cap(view, unseen):
+        return False
     return unseen == 0 or view.pushed_tokens_since_probe < view.kv_free_tokens
+
+
+def _over_learned_cap(view: ReplicaView, unseen: int) -> bool:
+    """One push beyond a learned cap is allowed: it waits one step at most, and if the engine
+    admits it, the next probe shows more running and the cap grows (a cap learned low from a
+    passing moment corrects itself)."""
+    cap = view.learned_max_running
+    return view.max_running is None and cap is not None and view.running + unseen > cap
+
+
+def learn_batch_cap(cap: int | None, pending: int | None, running: int | None, kv_usage: float | None) -> int | None:
+    """The batch cap after one probe of an engine that does not report it: at least what runs,
+    and exactly what runs when requests wait while the KV is mostly free."""
+    if not running:
+        return cap
+    if cap is not None and running > cap:
+        return running
+    if pending and (kv_usage is None or kv_usage < KV_BOUND_USAGE):
+        return running if cap is None else max(cap, running)
+    return cap
 
 
 def is_available(
@@ -119,4 +148,6 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
         wire = max(0, outstanding_at_start - (load_pending or 0) - load_running)
     unseen = after + wire
     view.pushed_since_probe = unseen
+    if view.max_running is None:
+        view.learned_max_running = learn_batch_cap(view.learned_max_running, load_pending, load_running, view.kv_usage)
     view.pushed_tokens_since_probe = sum(log[i][1] for i in range(max(0, len(log) - unseen), len(log)))

@@ -52,6 +52,9 @@ class ReplicaView:
     # probe (None when its load endpoint does not say), and the tokens the unseen pushes need.
     kv_free_tokens: int | None = None
     max_running: int | None = None
+    # the batch cap learned from probes when the engine does not report one (vLLM keeps
+    # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)
+    learned_max_running: int | None = None
     pushed_tokens_since_probe: int = 0
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)
     reports_pending: bool = True

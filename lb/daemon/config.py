@@ -115,7 +115,7 @@ class ProbeConfig:
     timeout_s: float = 0.5
     unhealthy_after: int = 3  # consecutive failed probes
     healthy_after: int = 2  # consecutive good probes to come back
-    early_reprobe_s: float = 0.002  # after a push, re-probe that replica this soon (at most)
+    early_reprobe_s: float = 0.002  # after a push, re-probe that replica this soon (when requests queue or its headroom is spent)
 
 
 @dataclass(frozen=True)

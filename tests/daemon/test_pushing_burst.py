@@ -99,3 +99,48 @@ def test_burst_waits_in_lb_not_in_engines(mode, engine):
     else:
         assert seen["emulator"] >= BURST // 4, seen
         assert lb_peak <= 2, lb_peak
+
+
+def test_a_vllm_batch_cap_is_learned_and_then_holds_a_burst_in_the_lb():
+    """vLLM's /metrics says how much KV is free but not max_num_seqs. With KV room for the
+    whole burst, SP-P's first burst lands whole (nothing says the batch is full); the probes
+    during it show requests waiting beside free KV, lb learns the cap, and the next burst
+    waits in lb with at most one push past the cap per replica (as seen live on vLLM 0.32
+    with --max-num-seqs 4: 36 of 40 waited inside vLLM before)."""
+    cap = 4
+    emus = [start_emulator("--speed", "1", "--max-running", str(cap), "--kv-tokens", "200000", name=f"emu{i}")
+            for i in range(2)]
+    urls = [u for _, u in emus]
+    d = start_lb(*[a for u in urls for a in ("--replica", u)], "--engine", "vllm", "--pushing", "sp-pending",
+                 "--policy", "least-load")
+    admin = {"Authorization": f"Bearer {d.token}"}
+    try:
+        poll(lambda: all(r.get("kv_free_tokens") for r in d.get_json("/admin/replicas", headers=admin)[1]["replicas"]),
+             what="both replicas probed")
+        first: dict = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=max_waiting, args=(urls, stop, first), daemon=True)
+        sampler.start()
+        statuses, _ = asyncio.run(burst(d.url))
+        stop.set()
+        sampler.join(5)
+        assert statuses == [200] * BURST
+        _, doc = d.get_json("/admin/replicas", headers=admin)
+        assert [(r["max_running"], r["max_running_source"]) for r in doc["replicas"]] == [(cap, "learned")] * 2, doc
+        seen: dict = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=max_waiting, args=(urls, stop, seen), daemon=True)
+        sampler.start()
+        statuses, lb_peak = asyncio.run(burst(d.url))
+        stop.set()
+        sampler.join(5)
+    finally:
+        d.proc.stop()
+        for p, _ in emus:
+            p.stop()
+    assert statuses == [200] * BURST
+    print(f"learned cap: emulator waiting peak {first.get('emulator')} on the first burst, {seen.get('emulator')} "
+          f"on the second; lb queue peak {lb_peak}")
+    assert first["emulator"] >= BURST // 4, first  # before: the whole burst went in, most of it waited there
+    assert seen["emulator"] <= 2 * (1 + 1), seen  # after: one past the cap per replica (+1 in transit)
+    assert lb_peak >= BURST // 2, lb_peak
