@@ -40,7 +40,7 @@ from lb.core.backlog import forward_cost
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
-from lb.core.pushing import record_push, settle_probe
+from lb.core.pushing import record_push, settle_completion, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.tiers import TierConfig
@@ -294,6 +294,7 @@ class SimReplica:
             req = self.requests.pop(f.id)
             req.finished_at = now
             self.view.outstanding -= 1
+            settle_completion(self.view)
             self.mark_stale()
             if req.first_token is not None:  # timed from the push, as the daemon's proxy times it
                 self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,

@@ -123,6 +123,15 @@ def record_push(view: ReplicaView, tokens: int, now: float) -> None:
         log.popleft()
 
 
+def settle_completion(view: ReplicaView) -> None:
+    """A request on `view` ended: the engine admits one it kept waiting into the freed room, so
+    count one fewer pending until the next probe says. Without it SP-P holds back from a
+    replica that has room until a probe comes back: on a real vLLM under a batch cap, probed
+    in 17 ms under load, a slot stayed empty that long after each answer."""
+    if view.pending > 0:
+        view.pending -= 1
+
+
 def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int, load_pending: int | None,
                  load_running: int | None, early_reprobe_s: float) -> None:
     """A probe that started at `started_at` answered: set the pushes (and their KV tokens)

@@ -16,6 +16,7 @@ import aiohttp
 
 from lb.core.breaker import Breaker, State
 from lb.core.health import HealthTracker
+from lb.core.pushing import settle_completion
 from lb.core.types import ReplicaView
 from lb.daemon.config import Config, ReplicaConfig
 from lb.daemon.tls import upstream_ssl
@@ -148,6 +149,7 @@ class Registry:
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
     def completed(self, rep: Replica) -> None:
         rep.view.outstanding -= 1
+        settle_completion(rep.view)
         if self.wants_probe(rep.view):  # a finished request frees KV: its waiting ones may be admitted now
             rep.reprobe.set()
         if rep.view.draining and rep.view.outstanding == 0:

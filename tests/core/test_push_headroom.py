@@ -96,3 +96,17 @@ def test_settling_a_probe_learns_the_cap_only_where_the_engine_does_not_report_o
     sg = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4, max_running=48)
     settle_probe(sg, 1.0, 0, 36, 4, 0.002)
     assert sg.learned_max_running is None
+
+
+def test_an_answer_that_ends_lets_one_waiting_request_in_before_the_next_probe():
+    """The engine admits a waiting request into the room an answer frees: SP-P counts one fewer
+    pending at once instead of holding back until a probe says so (on a real vLLM under its
+    batch cap a probe took 17 ms under load, and a slot stayed empty that long)."""
+    from lb.core.pushing import settle_completion
+
+    v = view(kv_free_tokens=500_000, running=4, learned_max_running=4, pending=1, outstanding=5)
+    assert not has_headroom(v)
+    settle_completion(v)
+    assert v.pending == 0 and has_headroom(v)
+    settle_completion(v)
+    assert v.pending == 0  # never below zero
