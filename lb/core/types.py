@@ -55,6 +55,7 @@ class ReplicaView:
     # the batch cap learned from probes when the engine does not report one (vLLM keeps
     # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)
     learned_max_running: int | None = None
+    probe_s: float = 0.0  # how long its last probe took (what one costs the engine; lb.core.scheduler.wants_probe)
     pushed_tokens_since_probe: int = 0
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)
     reports_pending: bool = True

@@ -21,7 +21,7 @@ import orjson
 
 from lb.core import loadparse
 from lb.core.loadparse import EngineLoad
-from lb.core.pushing import settle_probe
+from lb.core.pushing import early_probe_delay, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.tls import upstream_ssl
@@ -93,11 +93,14 @@ class Prober:
                 raise
             except Exception:  # a probe must never kill its loop
                 log.exception("probe of %s crashed", rep.id)
+            ended = loop.time()
             next_at = started + self.cfg.interval_s
             while (remaining := next_at - loop.time()) > 0:
                 if rep.reprobe.is_set():
-                    # Give the pushed request time to reach the engine's scheduler first.
-                    await asyncio.sleep(self.cfg.early_reprobe_s)
+                    # Give the pushed request time to reach the engine's scheduler first, and
+                    # the engine time of its own between probes.
+                    await asyncio.sleep(min(remaining, early_probe_delay(
+                        self.cfg.early_reprobe_s, ended - started, loop.time() - ended, self.cfg.max_probe_share)))
                     break
                 try:
                     await asyncio.wait_for(rep.reprobe.wait(), remaining)
@@ -139,6 +142,8 @@ class Prober:
         except (ConnectionError, ProbeFailed) as e:
             log.debug("probe %s failed: %s", rep.id, e)
         elapsed = time.monotonic() - t0
+        if ok:
+            view.probe_s = elapsed
         if ok and not rep.models_known:  # before it turns healthy: /v1/models and /ready agree at once
             await self._discover_models(rep)
         was_healthy = view.healthy

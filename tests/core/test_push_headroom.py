@@ -110,3 +110,15 @@ def test_an_answer_that_ends_lets_one_waiting_request_in_before_the_next_probe()
     assert v.pending == 0 and has_headroom(v)
     settle_completion(v)
     assert v.pending == 0  # never below zero
+
+
+def test_early_probes_keep_probing_under_a_share_of_the_replicas_time():
+    from lb.core.pushing import early_probe_delay
+
+    # a cheap probe (the emulator, SGLang's /v1/loads): the early re-probe delay is all
+    assert early_probe_delay(0.002, probe_s=0.0005, since_probe_s=0.0, max_share=0.25) == 0.002
+    # vLLM's /metrics under load (17 ms): at most a quarter of its time goes to probes
+    assert abs(early_probe_delay(0.002, probe_s=0.017, since_probe_s=0.0, max_share=0.25) - 0.051) < 1e-9
+    # time already passed since that probe counts toward the gap
+    assert abs(early_probe_delay(0.002, probe_s=0.017, since_probe_s=0.040, max_share=0.25) - 0.011) < 1e-9
+    assert early_probe_delay(0.002, probe_s=0.017, since_probe_s=1.0, max_share=0.25) == 0.002

@@ -25,6 +25,7 @@ def test_example_config_loads():
     ({"probes": {"interval": 0.1}}, "probes.interval: unknown key; did you mean `interval_s`?"),
     ({"probes": {"interval_s": "fast"}}, "probes.interval_s: expected a number"),
     ({"probes": {"interval_s": 0}}, "probes.interval_s: must be > 0"),
+    ({"probes": {"max_probe_share": 1.5}}, "probes.max_probe_share: must be in (0, 1]"),
     ({"pushing": {"mode": "eager"}}, "pushing.mode: 'eager' is not allowed"),
     ({"servr": {}}, "servr: unknown section; did you mean `server`?"),
 ])
