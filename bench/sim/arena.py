@@ -144,9 +144,6 @@ class PeerFront:
     def dispatch(self) -> None:
         pass
 
-    def refresh(self, now: float, models) -> None:
-        pass  # no views to bring up to date: the peers' policies read their own counts
-
     def wants_probe(self, view) -> bool:
         return True  # probes change nothing here (no queue, no pushing gate); kept as before
 

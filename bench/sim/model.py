@@ -289,7 +289,6 @@ class SimReplica:
 
     def _finished(self, finished) -> None:
         now = self.loop.now
-        self._before_change(now)  # the LB's count changes below: keep the tick's state first
         for f in finished:
             req = self.requests.pop(f.id)
             req.finished_at = now
@@ -300,9 +299,8 @@ class SimReplica:
                 self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,
                                now - req.pushed_at, f.output_tokens, now)
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
-        # the daemon re-probes on completion when a decision waits on it, judged on its view as
-        # of the last grid probe (brought there first: views are kept lazily here)
-        self.lb.refresh(now, [self.model])
+        # the daemon's rule; a simulated probe costs nothing (view.probe_s 0), so it always holds
+        # here and never reads a view the lazy probing left behind
         if self.lb.wants_probe(self.view):
             self.probe_now()
         self._maybe_stop()

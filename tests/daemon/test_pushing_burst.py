@@ -60,6 +60,20 @@ async def burst(url: str) -> tuple[list[int], int]:
         return statuses, await peak_task
 
 
+def sampled_burst(lb_url: str, urls: list[str]) -> tuple[list[int], int, int]:
+    """One burst through `lb_url`: its statuses, lb's queue peak and the emulators' waiting peak."""
+    seen: dict = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=max_waiting, args=(urls, stop, seen), daemon=True)
+    sampler.start()
+    try:
+        statuses, lb_peak = asyncio.run(burst(lb_url))
+    finally:
+        stop.set()
+        sampler.join(5)
+    return statuses, lb_peak, seen.get("emulator", 0)
+
+
 @pytest.mark.parametrize("mode,engine", [("sp-pending", "sglang"), ("sp-pending", "vllm"), ("blind", "sglang")])
 def test_burst_waits_in_lb_not_in_engines(mode, engine):
     """The vLLM face's headroom comes from `/metrics` (KV usage x cache_config_info's blocks),
@@ -76,28 +90,21 @@ def test_burst_waits_in_lb_not_in_engines(mode, engine):
     doc = poll(probed_both, what="both replicas probed")
     # an idle tiny emulator: all of its 2048 KV tokens are free, as its /metrics or /v1/loads says
     assert [r["kv_free_tokens"] for r in doc["replicas"]] == [2048, 2048], doc
-    seen: dict = {}
-    stop = threading.Event()
-    sampler = threading.Thread(target=max_waiting, args=(urls, stop, seen), daemon=True)
-    sampler.start()
     try:
         t0 = time.monotonic()
-        statuses, lb_peak = asyncio.run(burst(d.url))
+        statuses, lb_peak, engine_peak = sampled_burst(d.url, urls)
         elapsed = time.monotonic() - t0
     finally:
-        stop.set()
-        sampler.join(5)
         d.proc.stop()
         for p, _ in emus:
             p.stop()
     assert statuses == [200] * BURST
-    print(f"{mode}: emulator waiting peak {seen.get('emulator')}, lb queue peak {lb_peak}, {elapsed:.2f}s")
+    print(f"{mode}: emulator waiting peak {engine_peak}, lb queue peak {lb_peak}, {elapsed:.2f}s")
     if mode == "sp-pending":
-        # at most one push credit per replica can land on a replica that just filled up
-        assert seen["emulator"] <= 4 + 2, seen  # at most the push credit (4) lands on a filling replica
+        assert engine_peak <= 4 + 2, engine_peak  # at most the push credit (4) lands on a filling replica
         assert lb_peak >= BURST // 2, lb_peak
     else:
-        assert seen["emulator"] >= BURST // 4, seen
+        assert engine_peak >= BURST // 4, engine_peak
         assert lb_peak <= 2, lb_peak
 
 
@@ -117,30 +124,18 @@ def test_a_vllm_batch_cap_is_learned_and_then_holds_a_burst_in_the_lb():
     try:
         poll(lambda: all(r.get("kv_free_tokens") for r in d.get_json("/admin/replicas", headers=admin)[1]["replicas"]),
              what="both replicas probed")
-        first: dict = {}
-        stop = threading.Event()
-        sampler = threading.Thread(target=max_waiting, args=(urls, stop, first), daemon=True)
-        sampler.start()
-        statuses, _ = asyncio.run(burst(d.url))
-        stop.set()
-        sampler.join(5)
+        statuses, _, first_peak = sampled_burst(d.url, urls)
         assert statuses == [200] * BURST
         _, doc = d.get_json("/admin/replicas", headers=admin)
         assert [(r["max_running"], r["max_running_source"]) for r in doc["replicas"]] == [(cap, "learned")] * 2, doc
-        seen: dict = {}
-        stop = threading.Event()
-        sampler = threading.Thread(target=max_waiting, args=(urls, stop, seen), daemon=True)
-        sampler.start()
-        statuses, lb_peak = asyncio.run(burst(d.url))
-        stop.set()
-        sampler.join(5)
+        statuses, lb_peak, engine_peak = sampled_burst(d.url, urls)
     finally:
         d.proc.stop()
         for p, _ in emus:
             p.stop()
     assert statuses == [200] * BURST
-    print(f"learned cap: emulator waiting peak {first.get('emulator')} on the first burst, {seen.get('emulator')} "
+    print(f"learned cap: emulator waiting peak {first_peak} on the first burst, {engine_peak} "
           f"on the second; lb queue peak {lb_peak}")
-    assert first["emulator"] >= BURST // 4, first  # before: the whole burst went in, most of it waited there
-    assert seen["emulator"] <= 2 * (1 + 1), seen  # after: one past the cap per replica (+1 in transit)
+    assert first_peak >= BURST // 4, first_peak  # before: the whole burst went in, most of it waited there
+    assert engine_peak <= 2 * (1 + 1), engine_peak  # after: one past the cap per replica (+1 in transit)
     assert lb_peak >= BURST // 2, lb_peak
