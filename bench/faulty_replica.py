@@ -12,6 +12,7 @@ Request modes (what a generation request gets):
   error500   HTTP 500 with an error body
   malformed  HTTP 200 `text/event-stream` whose body is not server-sent events
   die        `die_after` chunks of a stream, then the process exits at once (mid-stream)
+  cookie     as `ok`, and every answer sets a cookie (a proxy must never send it back)
 Broken HTTP and oversized answers (issue 13; `size_bytes` sets how big):
   bad_chunk     HTTP/1.1 200, chunked, whose first chunk size is not hex
   cr_header     HTTP/1.1 200 with a bare CR inside a header value
@@ -39,9 +40,9 @@ import time
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "hang", "error500", "malformed", "die", "bad_chunk", "cr_header", "endless_line", "huge_body",
+MODES = ("ok", "hang", "error500", "malformed", "die", "cookie", "bad_chunk", "cr_header", "endless_line", "huge_body",
          "huge_error", "gzip", "bad_status", "mid_break", "hang_body")
-HOSTILE = MODES[5:]  # the broken shapes (the chaos scenario rotates through them)
+HOSTILE = MODES[6:]  # the broken shapes (the chaos scenario rotates through them)
 MIB = 1 << 20
 PROBES = ("honest", "lie", "slow", "hang")
 
@@ -120,8 +121,11 @@ class Faulty:
             text = "tok " * self.behaviour["tokens"]
             choice = {"index": 0, "finish_reason": "length",
                       **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
-            return _json({"id": "faulty", "object": "chat.completion" if chat else "text_completion",
+            resp = _json({"id": "faulty", "object": "chat.completion" if chat else "text_completion",
                           "model": self.model, "choices": [choice], "usage": _usage(self.behaviour["tokens"])})
+            if mode == "cookie":
+                resp.set_cookie("session", "s3cr3t")
+            return resp
         return await self._stream(request, chat, bool((body.get("stream_options") or {}).get("include_usage")))
 
     async def _stream(self, request: web.Request, chat: bool, include_usage: bool) -> web.StreamResponse:

@@ -184,6 +184,9 @@ class Usage:
     completion_tokens: int = 0
 
 
+FAST_OBJECT_TRIES = 8  # closing braces tried before the byte-by-byte scan
+
+
 def usage_from_tail(tail: bytes) -> Usage | None:
     """The last `"usage": {...}` object in the tail of a response (JSON body or SSE stream).
 
@@ -219,6 +222,21 @@ def _value_start(buf: bytes, i: int) -> int:
 
 
 def _balanced_object(buf: bytes, start: int) -> bytes | None:
+    # Fast path: the first `}` where the braces balance and the bytes parse as JSON ends the
+    # object (a JSON object has no proper prefix that is itself an object). Byte-by-byte
+    # below only when a brace inside a string gets in the way (profiled on the request path).
+    end = buf.find(b"}", start)
+    for _ in range(FAST_OBJECT_TRIES):
+        if end < 0:
+            break
+        piece = buf[start:end + 1]
+        if piece.count(b"{") == piece.count(b"}"):
+            try:
+                orjson.loads(piece)
+                return piece
+            except orjson.JSONDecodeError:
+                pass
+        end = buf.find(b"}", end + 1)
     depth, in_str, esc = 0, False, False
     for i in range(start, len(buf)):
         c = buf[i]

@@ -188,8 +188,9 @@ class Dispatcher:
     def _record(self, p: Placement) -> None:
         if self.metrics is None:
             return
-        self.metrics.queue_wait.observe(p.waited)
-        self.metrics.decisions.labels(self.policy.name, p.target_id, p.reason).inc()
+        m = self.metrics
+        m.queue_wait.observe(p.waited)
+        m.child(m.decisions, self.policy.name, p.target_id, p.reason).inc()
         if p.total_blocks:
             self.metrics.prefix_match.observe(p.matched_blocks)
 

@@ -18,6 +18,7 @@ PROBE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 OTHER_MODEL = "other"  # lb_requests_total{model}: a model no replica serves (bounded label set)
 NO_MODEL = "none"  # ... a request that named none (SGLang's /generate)
+MAX_CACHED_CHILDREN = 4096  # label sets are bounded already (models bucketed, replicas dropped)
 REMOVED = "removed"  # target label of a request that finished after its replica was forgotten
 
 
@@ -58,11 +59,26 @@ class Metrics:
                             (self.upstream_errors, "target"), (self.probe_latency, "replica"),
                             (self.probe_failures, "replica"))
         self._forgotten: dict[str, None] = {}  # ids whose series were dropped (insertion-ordered, bounded)
+        # (metric, label values) → its child: `labels()` validates and locks on every call, a few
+        # microseconds each, several per request (profiled on the request path). Emptied when
+        # series are dropped, so a forgotten child is never counted into again; bounded.
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *values: str):
+        """`metric.labels(*values)`, remembered."""
+        key = (metric, values)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) >= MAX_CACHED_CHILDREN:
+                self._children.clear()
+            c = self._children[key] = metric.labels(*values)
+        return c
 
     def forget(self, replica: str) -> None:
         """The replica is gone (admin DELETE, reload, scale-in): drop every series it labels."""
         for metric, label in self._by_replica:
             metric.remove_by_labels({label: replica})
+        self._children.clear()
         self._forgotten[replica] = None
         if len(self._forgotten) > 10_000:
             del self._forgotten[next(iter(self._forgotten))]

@@ -166,7 +166,8 @@ class Peers:
             connector=aiohttp.TCPConnector(limit=up.max_connections_per_replica, keepalive_timeout=75,
                                            ssl=peer_ssl(self.cfg)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s, sock_read=up.read_timeout_s),
-            auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"))
+            auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            cookie_jar=aiohttp.DummyCookieJar())  # one client's cookies are never sent with another's request
         rid = PEER_PREFIX + pcfg.region
         view = ReplicaView(id=rid, url=pcfg.url, engine="peer", region=pcfg.region, healthy=False)
         health = HealthTracker(1, 1, healthy=False)  # peers' freshness is judged by PeerStatus

@@ -438,7 +438,10 @@ class Proxy:
                 finished = whole
                 return web.Response(status=resp.status, body=err, content_type="application/json",
                                     headers=reply_headers(resp, rid, rep.id))
-            if resp.content_type == "text/event-stream":
+            # the header as sent, not aiohttp's `content_type` (it parses the header anew on each
+            # read, with the email package: profiled on the request path)
+            ctype = resp.headers.get("Content-Type", "")
+            if ctype.partition(";")[0].strip().lower() == "text/event-stream":
                 result = await self._stream(request, rep, resp, rid, t0, out, attempt)
             else:
                 data, whole = await _read_bounded(resp, up.max_response_bytes)
@@ -450,8 +453,9 @@ class Proxy:
                 out.usage = _usage_dict(data[-TAIL_BYTES:])
                 out.status, out.reason = resp.status, "ok"
                 self.registry.outcome(rep, True)
-                result = web.Response(status=resp.status, body=data, headers=reply_headers(resp, rid, rep.id),
-                                      content_type=resp.content_type or "application/json")
+                headers = reply_headers(resp, rid, rep.id)
+                headers["Content-Type"] = ctype or "application/json"
+                result = web.Response(status=resp.status, body=data, headers=headers)
             finished = True
             return result
         except _UPSTREAM_ERRORS as e:
@@ -589,16 +593,16 @@ class Proxy:
         if self.peer_links is not None:
             self.peer_links.account(out)
         target = m.target(out.target) if out.target else "none"
-        m.requests.labels(out.route, m.model(out.model, self.registry.lists_model), str(out.status),
-                          self.dispatcher.policy.name, target).inc()
+        m.child(m.requests, out.route, m.model(out.model, self.registry.lists_model), str(out.status),
+                self.dispatcher.policy.name, target).inc()
         if out.ttft_s is not None:
-            m.ttft.labels(out.route).observe(out.ttft_s)
+            m.child(m.ttft, out.route).observe(out.ttft_s)
         if 200 <= out.status < 300:
-            m.e2e.labels(out.route).observe(out.e2e_s)
+            m.child(m.e2e, out.route).observe(out.e2e_s)
         if out.usage:
-            m.prompt_tokens.labels(target).inc(out.usage["prompt_tokens"])
-            m.cached_tokens.labels(target).inc(out.usage["cached_tokens"])
-            m.output_tokens.labels(target).inc(out.usage["completion_tokens"])
+            m.child(m.prompt_tokens, target).inc(out.usage["prompt_tokens"])
+            m.child(m.cached_tokens, target).inc(out.usage["cached_tokens"])
+            m.child(m.output_tokens, target).inc(out.usage["completion_tokens"])
         if self.access_log is not None:
             self.access_log.write(out)
 

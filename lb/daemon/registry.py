@@ -105,6 +105,9 @@ class Registry:
             # We never ask for compression; a replica that compresses anyway is decoded (the
             # client gets plain bytes without the Content-Encoding, as it asked), bounded by aiohttp.
             auto_decompress=True, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            # A proxy keeps no cookies: one set on one client's answer would go out with every
+            # later client's request to that replica (and the jar's filtering costs each request).
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         view = ReplicaView(id=rc.key, url=rc.url, engine=rc.engine, models=frozenset(rc.models),
                            reports_pending=rc.engine != "openai",

@@ -163,6 +163,20 @@ def test_gzip_from_a_replica_is_decoded_for_the_client(alone, hostile):
     assert json.loads(raw)["choices"][0]["message"]["content"] == "zipped"
 
 
+def test_a_cookie_a_replica_sets_never_reaches_a_client_or_a_later_request(hostile, replicas, tmp_path):
+    # by host name: an HTTP client's cookie jar keeps no cookies from a bare IP address
+    d = lb_over(tmp_path, [replicas[0].replace("127.0.0.1", "localhost")])
+    try:
+        hostile(mode="cookie")
+        for _ in range(3):  # one keep-alive upstream connection and client session serve them all
+            status, headers, raw, _ = call(d)
+            assert status == 200 and "set-cookie" not in headers, headers
+        _, seen = http_json("GET", replicas[0] + "/fault")
+        assert "cookie" not in {k.lower() for k in seen["last_headers"]}, seen["last_headers"]
+    finally:
+        d.proc.stop()
+
+
 def assert_stream_ended_with_error(d, code: str, reason: str) -> None:
     """A stream that began (a first event) and ended with an error event `code`, then [DONE]."""
     status, _, raw, rid = call(d, stream=True)
