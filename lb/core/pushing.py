@@ -34,12 +34,20 @@ DEFAULT_MAX_OUTSTANDING = 32
 DEFAULT_PUSH_CREDIT = 4
 DEFAULT_MAX_UNSEEN = 64
 # An engine that does not report its batch cap (vLLM keeps max_num_seqs to itself; llama.cpp
-# its slot count) shows it at a probe: requests waiting while most of its KV is free means
-# the batch is full, and what runs is the cap. Seen live on vLLM 0.32 (CPU, --max-num-seqs 4):
+# its slot count) shows it at its probes: requests waiting while most of its KV is free, and
+# the count running not growing as answers end, means the batch is full and what runs is
+# the cap (`learn_batch_cap`). Seen live on vLLM 0.32 (CPU, --max-num-seqs 4):
 # 36 of a 40-request burst waited inside vLLM, "capacity" its reason, at 0.1 % KV usage,
 # because a KV room of 524,288 tokens let SP-P push all 40 before a probe came back. Above
 # this usage the KV may be what binds (it admits by blocks free), so nothing is learned.
 KV_BOUND_USAGE = 0.8
+# Until an engine's cap is known (reported, or learned from its probes), the pushes a probe has not seen may at most bring what runs there to twice the
+# most it has been seen running with none waiting, and to this many at first: the first burst
+# onto a fresh vLLM teaches the cap instead of landing whole (seen live on vLLM 0.32 with
+# --max-num-seqs 4: 36 of a 40-request burst waited inside it before its cap was learned). A
+# cap above this is reached by doubling, one round per probe, while the engine is still
+# prefilling what it took, and is remembered: later bursts go out at once.
+SLOW_START_RUNNING = 8
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -64,9 +72,16 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
         return False
     if view.max_running is not None and view.running + unseen >= view.max_running:
         return False
-    if _over_learned_cap(view, unseen):
+    if _over_learned_cap(view, unseen) or _slow_start_full(view, unseen):
         return False
     return unseen == 0 or view.pushed_tokens_since_probe < view.kv_free_tokens
+
+
+def _slow_start_full(view: ReplicaView, unseen: int) -> bool:
+    """No batch cap known yet, and what runs plus the unseen pushes reach twice the most seen
+    running with none waiting (SLOW_START_RUNNING at first)."""
+    return (view.max_running is None and view.learned_max_running is None
+            and view.running + unseen >= max(SLOW_START_RUNNING, 2 * view.proven_running))
 
 
 def _over_learned_cap(view: ReplicaView, unseen: int) -> bool:
@@ -77,16 +92,31 @@ def _over_learned_cap(view: ReplicaView, unseen: int) -> bool:
     return view.max_running is None and cap is not None and view.running + unseen > cap
 
 
-def learn_batch_cap(cap: int | None, pending: int | None, running: int | None, kv_usage: float | None) -> int | None:
-    """The batch cap after one probe of an engine that does not report it: at least what runs,
-    and exactly what runs when requests wait while the KV is mostly free."""
+def learn_batch_cap(view: ReplicaView, pending: int | None, running: int | None) -> None:
+    """Learn the batch cap of an engine that does not report it from one probe: it is at
+    least what runs; it is what runs when requests wait beside free KV at two probes with the
+    same count running and an answer ended between them (the engine refilled the freed slot
+    from its queue instead of adding to what runs).
+
+    One probe is not enough: vLLM admits waiting requests only while its step's token budget
+    (max_num_batched_tokens) lasts, so a burst of long prompts waits there for a few steps
+    while running grows. Seen live on vLLM 0.32 (CPU, --max-num-batched-tokens 256, 200-token
+    prompts, 24 clients): learned from single probes the cap came out 24 while 40 ran at once
+    when more were sent."""
+    cap = view.learned_max_running
     if not running:
-        return cap
+        view.cap_seen = None
+        return
     if cap is not None and running > cap:
-        return running
-    if pending and (kv_usage is None or kv_usage < KV_BOUND_USAGE):
-        return running if cap is None else max(cap, running)
-    return cap
+        view.learned_max_running = cap = running
+    if not pending or (view.kv_usage is not None and view.kv_usage >= KV_BOUND_USAGE):
+        view.cap_seen = None  # nothing waits, or the KV may be what binds: no cap shown
+        return
+    seen = view.cap_seen
+    if seen is None or seen[0] != running:
+        view.cap_seen = (running, view.completions)
+    elif view.completions > seen[1]:
+        view.learned_max_running = running if cap is None else max(cap, running)
 
 
 def is_available(
@@ -138,6 +168,7 @@ def settle_completion(view: ReplicaView) -> None:
     count one fewer pending until the next probe says. Without it SP-P holds back from a
     replica that has room until a probe comes back: on a real vLLM under a batch cap, probed
     in 17 ms under load, a slot stayed empty that long after each answer."""
+    view.completions += 1
     if view.pending > 0:
         view.pending -= 1
 
@@ -168,5 +199,7 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
     unseen = after + wire
     view.pushed_since_probe = unseen
     if view.max_running is None:
-        view.learned_max_running = learn_batch_cap(view.learned_max_running, load_pending, load_running, view.kv_usage)
+        learn_batch_cap(view, load_pending, load_running)
+        if not load_pending and load_running and load_running > view.proven_running:
+            view.proven_running = load_running
     view.pushed_tokens_since_probe = sum(log[i][1] for i in range(max(0, len(log) - unseen), len(log)))

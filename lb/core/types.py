@@ -55,6 +55,13 @@ class ReplicaView:
     # the batch cap learned from probes when the engine does not report one (vLLM keeps
     # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)
     learned_max_running: int | None = None
+    # the most requests seen running at a probe with none waiting: an engine whose cap is
+    # unknown admits at least this many at once (SP-P's slow start, lb.core.pushing)
+    proven_running: int = 0
+    # (running, completions) at the probe that first showed requests waiting beside free KV
+    # with that many running: a cap once a later probe shows the same after an answer ended
+    cap_seen: tuple[int, int] | None = None
+    completions: int = 0  # answers that ended on it (lb.core.pushing.settle_completion)
     probe_s: float = 0.0  # how long its last probe took (what one costs the engine; lb.core.scheduler.wants_probe)
     pushed_tokens_since_probe: int = 0
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)

@@ -239,6 +239,8 @@ def build_app(cfg: Config) -> web.Application:
                 "max_running": v.max_running if v.max_running is not None else v.learned_max_running,
                 "max_running_source": ("reported" if v.max_running is not None
                                        else "learned" if v.learned_max_running is not None else None),
+                # until a cap is known: the most seen running with none waiting (SP-P's slow start)
+                "proven_running": v.proven_running,
                 "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,
                 "source": rep.source or "static"}
 

@@ -5,6 +5,7 @@ import orjson
 import pytest
 
 from lb.core import loadparse
+from lb.core.types import ReplicaView
 from lb.core.health import HealthTracker, backoff_delay
 
 
@@ -117,7 +118,11 @@ def test_a_real_vllm_0_32_metrics_page_gives_waiting_running_and_free_kv():
     load = loadparse.parse_vllm_metrics(body)
     assert (load.pending, load.running) == (32, 4)  # by-reason lines are not summed into waiting
     assert load.kv_free_tokens == int((1 - load.kv_usage) * 4096 * 128) and load.kv_usage < 0.01
-    assert learn_batch_cap(None, load.pending, load.running, load.kv_usage) == 4
+    v = ReplicaView(id="r", url="http://r", kv_usage=load.kv_usage)
+    learn_batch_cap(v, load.pending, load.running)
+    v.completions += 1  # an answer ends and the next probe shows the same
+    learn_batch_cap(v, load.pending, load.running)
+    assert v.learned_max_running == 4
 
 
 def test_samples_finds_only_whole_metric_names_at_line_starts():

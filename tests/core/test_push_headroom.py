@@ -38,7 +38,7 @@ def test_batch_cap_and_unseen_cap_bound_a_burst():
 def test_burst_onto_idle_replicas_fills_each_to_its_room_and_no_further():
     """100 requests of 250 tokens onto 4 idle replicas with room for 8 each: the LB pushes
     at most one request beyond the room (which then waits in the engine), the rest stay."""
-    views = [view(kv_free_tokens=2048) for _ in range(4)]
+    views = [view(kv_free_tokens=2048, max_running=256) for _ in range(4)]
     placed = 0
     for v in views:
         while is_available(v, "sp-pending"):
@@ -46,6 +46,52 @@ def test_burst_onto_idle_replicas_fills_each_to_its_room_and_no_further():
             v.pushed_tokens_since_probe += 250
             placed += 1
     assert placed == 4 * 9  # 8 fit (2000 tokens), the 9th tips it over
+
+
+def test_without_a_known_cap_a_burst_goes_out_by_doubling_and_the_most_seen_running_is_remembered():
+    """vLLM reports KV room but not its batch cap: the first pushes stop at SLOW_START_RUNNING
+    running-plus-unseen; each probe showing them all running (none waiting) doubles the next
+    round; a cap learned from a probe with requests waiting takes over."""
+    from lb.core.pushing import SLOW_START_RUNNING, settle_completion, settle_probe
+
+    v = view(kv_free_tokens=10**6)
+
+    def burst() -> int:
+        n = 0
+        while has_headroom(v):
+            v.pushed_since_probe += 1
+            v.outstanding += 1
+            n += 1
+        return n
+
+    def probe(running: int, waiting: int) -> None:
+        v.running, v.pending = running, waiting
+        settle_probe(v, started_at=1.0, outstanding_at_start=v.outstanding, load_pending=waiting,
+                     load_running=running, early_reprobe_s=0.002)
+
+    assert burst() == SLOW_START_RUNNING
+    probe(running=SLOW_START_RUNNING, waiting=0)
+    assert v.proven_running == SLOW_START_RUNNING and v.learned_max_running is None
+    assert burst() == SLOW_START_RUNNING  # up to twice what it was seen running
+    probe(running=2 * SLOW_START_RUNNING, waiting=0)
+    assert burst() == 2 * SLOW_START_RUNNING
+    probe(running=3 * SLOW_START_RUNNING, waiting=SLOW_START_RUNNING)  # now some wait
+    assert v.learned_max_running is None and not has_headroom(v)
+    settle_completion(v)  # an answer ends, its slot refilled from the engine's queue: the cap
+    probe(running=3 * SLOW_START_RUNNING, waiting=SLOW_START_RUNNING - 1)
+    assert v.learned_max_running == 3 * SLOW_START_RUNNING
+    assert not has_headroom(v)  # requests wait there
+    v.outstanding = 0
+    probe(running=0, waiting=0)  # all done; the next burst goes to the cap (and one past it) at once
+    assert burst() == 3 * SLOW_START_RUNNING + 1
+
+
+def test_a_reported_cap_needs_no_slow_start():
+    from lb.core.pushing import SLOW_START_RUNNING
+
+    v = view(kv_free_tokens=10**6, max_running=256, pushed_since_probe=SLOW_START_RUNNING * 4)
+    assert has_headroom(v)
+    assert not has_headroom(view(kv_free_tokens=10**6, pushed_since_probe=SLOW_START_RUNNING))
 
 
 def test_sglang_v1_loads_tells_the_room_and_the_batch_cap():
@@ -61,17 +107,29 @@ def test_sglang_v1_loads_tells_the_room_and_the_batch_cap():
 
 
 def test_a_batch_cap_the_engine_keeps_to_itself_is_learned_from_requests_waiting_beside_free_kv():
-    """vLLM reports no max_num_seqs: a probe showing requests waiting at low KV usage says
-    the batch is full at what runs. Seen live: vLLM 0.32 with --max-num-seqs 4 reported 4
-    running, 36 waiting at 0.1 % KV usage."""
-    from lb.core.pushing import learn_batch_cap
+    """vLLM reports no max_num_seqs: probes showing requests waiting at low KV usage, with the
+    same count running after an answer ended, say the batch is full at what runs. Seen live:
+    vLLM 0.32 with --max-num-seqs 4 reported 4 running, 36 waiting at 0.1 % KV usage."""
+    from lb.core.pushing import learn_batch_cap, settle_completion
 
-    assert learn_batch_cap(None, pending=36, running=4, kv_usage=0.001) == 4
-    assert learn_batch_cap(None, pending=0, running=4, kv_usage=0.001) is None  # nothing waits: no cap shown
-    assert learn_batch_cap(None, pending=5, running=30, kv_usage=0.95) is None  # the KV may be what binds
-    assert learn_batch_cap(4, pending=3, running=2, kv_usage=0.1) == 4  # a passing moment does not lower it
-    assert learn_batch_cap(4, pending=0, running=6, kv_usage=0.1) == 6  # it admitted more: at least that
-    assert learn_batch_cap(None, pending=2, running=3, kv_usage=None) == 3  # llama.cpp: slots full, no KV figure
+    def learned(*probes, kv_usage: float | None = 0.001, cap: int | None = None, answers_between: int = 1):
+        v = view(kv_usage=kv_usage, learned_max_running=cap)
+        for i, (pending, running) in enumerate(probes):
+            if i:
+                for _ in range(answers_between):
+                    settle_completion(v)
+            learn_batch_cap(v, pending, running)
+        return v.learned_max_running
+
+    assert learned((36, 4), (33, 4)) == 4
+    assert learned((36, 4)) is None  # one probe: it may be admitting them a few a step
+    assert learned((36, 4), (33, 4), answers_between=0) is None  # no answer ended: maybe the same step
+    assert learned((30, 10), (22, 18), (14, 26)) is None  # running grows: a token budget, not a cap
+    assert learned((0, 4), (0, 4)) is None  # nothing waits: no cap shown
+    assert learned((5, 30), (5, 30), kv_usage=0.95) is None  # the KV may be what binds
+    assert learned((3, 2), (3, 2), cap=4) == 4  # a passing moment does not lower it
+    assert learned((0, 6), cap=4) == 6  # it admitted more: at least that
+    assert learned((2, 3), (1, 3), kv_usage=None) == 3  # llama.cpp: slots full, no KV figure
 
 
 def test_a_learned_cap_lets_one_push_past_it_and_a_reported_cap_wins():
@@ -88,14 +146,16 @@ def test_a_learned_cap_lets_one_push_past_it_and_a_reported_cap_wins():
 
 
 def test_settling_a_probe_learns_the_cap_only_where_the_engine_does_not_report_one():
-    from lb.core.pushing import settle_probe
+    from lb.core.pushing import settle_completion, settle_probe
 
-    v = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4)
-    settle_probe(v, 1.0, 0, 36, 4, 0.002)
-    assert v.learned_max_running == 4
-    sg = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4, max_running=48)
-    settle_probe(sg, 1.0, 0, 36, 4, 0.002)
-    assert sg.learned_max_running is None
+    vllm = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4)
+    sglang = view(kv_free_tokens=500_000, kv_usage=0.001, pending=36, running=4, max_running=48)
+    for v in (vllm, sglang):
+        settle_probe(v, 1.0, 0, 36, 4, 0.002)
+        settle_completion(v)
+        settle_probe(v, 1.1, 0, 35, 4, 0.002)
+    assert vllm.learned_max_running == 4
+    assert sglang.learned_max_running is None
 
 
 def test_an_answer_that_ends_lets_one_waiting_request_in_before_the_next_probe():
