@@ -41,8 +41,9 @@ DEFAULT_MAX_UNSEEN = 64
 # because a KV room of 524,288 tokens let SP-P push all 40 before a probe came back. Above
 # this usage the KV may be what binds (it admits by blocks free), so nothing is learned.
 KV_BOUND_USAGE = 0.8
-# Until an engine's cap is known (reported, or learned from its probes), the pushes a probe has not seen may at most bring what runs there to twice the
-# most it has been seen running with none waiting, and to this many at first: the first burst
+# Until an engine's cap is known (reported, or learned from its probes), the pushes a probe
+# has not seen may at most bring what runs there to twice the most it has been seen running
+# with none waiting (`ReplicaView.proven_running`), and to this many at first: the first burst
 # onto a fresh vLLM teaches the cap instead of landing whole (seen live on vLLM 0.32 with
 # --max-num-seqs 4: 36 of a 40-request burst waited inside it before its cap was learned). A
 # cap above this is reached by doubling, one round per probe, while the engine is still
@@ -93,10 +94,11 @@ def _over_learned_cap(view: ReplicaView, unseen: int) -> bool:
 
 
 def learn_batch_cap(view: ReplicaView, pending: int | None, running: int | None) -> None:
-    """Learn the batch cap of an engine that does not report it from one probe: it is at
-    least what runs; it is what runs when requests wait beside free KV at two probes with the
-    same count running and an answer ended between them (the engine refilled the freed slot
-    from its queue instead of adding to what runs).
+    """Learn, from one probe more, the batch cap of an engine that does not report it: it is
+    at least what runs; it is what runs when requests wait beside free KV at two probes with
+    the same count running and an answer ended between them (the engine refilled the freed
+    slot from its queue instead of adding to what runs). Also the most seen running with
+    none waiting, the slow start's ground (`_slow_start_full`).
 
     One probe is not enough: vLLM admits waiting requests only while its step's token budget
     (max_num_batched_tokens) lasts, so a burst of long prompts waits there for a few steps
@@ -107,6 +109,8 @@ def learn_batch_cap(view: ReplicaView, pending: int | None, running: int | None)
     if not running:
         view.cap_seen = None
         return
+    if not pending and running > view.proven_running:
+        view.proven_running = running
     if cap is not None and running > cap:
         view.learned_max_running = cap = running
     if not pending or (view.kv_usage is not None and view.kv_usage >= KV_BOUND_USAGE):
@@ -200,6 +204,4 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
     view.pushed_since_probe = unseen
     if view.max_running is None:
         learn_batch_cap(view, load_pending, load_running)
-        if not load_pending and load_running and load_running > view.proven_running:
-            view.proven_running = load_running
     view.pushed_tokens_since_probe = sum(log[i][1] for i in range(max(0, len(log) - unseen), len(log)))
