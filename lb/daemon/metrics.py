@@ -99,7 +99,7 @@ class Metrics:
         return REMOVED if replica in self._forgotten else replica
 
     def probe_done(self, replica: str, elapsed: float, ok: bool) -> None:
-        self.probe_latency.labels(replica).observe(elapsed)
+        self.child(self.probe_latency, replica).observe(elapsed)  # up to two probes a request
         if not ok:
             self.probe_failures.labels(replica).inc()
 
