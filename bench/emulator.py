@@ -54,6 +54,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, help="KV cache capacity in tokens")
     parser.add_argument("--decode-reserve", type=int,
                         help="KV tokens reserved per request at admission")
+    parser.add_argument("--prefill-budget", type=int,
+                        help="tokens per step (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size)")
+    parser.add_argument("--admit-within-budget", action="store_true",
+                        help="admit waiting requests only while the step's token budget lasts, as "
+                             "vLLM's V1 scheduler does (a burst of long prompts waits a few steps)")
     parser.add_argument("--max-queued", type=int,
                         help="reject with 503 'The request queue is full.' beyond this many "
                              "waiting requests (SGLang --max-queued-requests)")
@@ -696,7 +701,8 @@ class _MetricsCollector:
 async def serve(args: argparse.Namespace) -> None:
     profile = get_profile(args.profile).with_overrides(
         kv_tokens=args.kv_tokens, max_running=args.max_running,
-        decode_reserve=args.decode_reserve)
+        decode_reserve=args.decode_reserve, prefill_budget=args.prefill_budget,
+        admit_within_budget=args.admit_within_budget or None)
     emu = Emulator(profile, args.model or profile.model, args.speed, args.seed, args.max_queued)
     emu.echo_headers = args.echo_headers
     # handler_cancellation: a client disconnect cancels its handler, which aborts the request

@@ -509,8 +509,11 @@ class Engine:
             r = p.decode_reserve  # Σ _reservation, inlined: this runs every step while any wait
             reserved = sum(max(1, min(r, s.req.max_new_tokens) - len(s.tokens) + s.prompt_len) for s in self._running)
         order = self._admission_order()  # self._waiting itself, or a sorted copy
+        budget = self._budget_left() if p.admit_within_budget else None
         i = 0
         while i < len(order) and (p.max_running is None or len(self._running) < p.max_running):
+            if budget is not None and budget <= 0:
+                break
             seq = order[i]
             # leave at least the last token to compute: the engine needs its logits
             seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
@@ -533,6 +536,8 @@ class Engine:
             else:
                 self._waiting.remove(seq)
                 i += 1
+            if budget is not None:
+                budget -= uncached
             self.cache.acquire(matched, now)
             seq.blocks = matched
             seq.computed = cached
@@ -554,6 +559,16 @@ class Engine:
                 c.prefix_queries += seq.prompt_len
                 c.prefix_hits += cached
                 c.lost_while_waiting += max(0, seq.cached_at_submit - cached)
+
+    def _budget_left(self) -> int:
+        """The step's tokens the running requests leave for new ones: one per decode, the
+        rest of each unfinished prefill (as `_plan` hands them out)."""
+        left = self.profile.prefill_budget
+        for seq in self._running:
+            left -= 1 if seq.computed >= seq.prefill_end else seq.prefill_end - seq.computed
+            if left <= 0:
+                return 0
+        return left
 
     def _shareable(self, seq: _Seq, scheduled: set[int]) -> int:
         """How many blocks past those it holds a request whose prefill starts this step finds

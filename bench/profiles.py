@@ -38,6 +38,12 @@ class Profile:
     # ratio decays per decode step and jumps back up on a retraction (bench/engine.py).
     # None: the fixed `decode_reserve` (vLLM-like). SGLang's defaults: (0.7, 0.14, 600).
     new_token_ratio: tuple[float, float, int] | None = None
+    # vLLM's V1 scheduler admits waiting requests only while the step's token budget lasts
+    # (vllm/v1/core/sched/scheduler.py: `while token_budget > 0`, after the running requests
+    # took theirs), so a burst of long prompts waits a few steps with the batch far from full
+    # and the KV nearly empty (seen live on vLLM 0.32; docs/results.md). False: admitted up to
+    # `max_running` and the KV at once, their prefill chunked over the next steps.
+    admit_within_budget: bool = False
     waiting_order: str = "fcfs"  # "fcfs", or "lpm": SGLang's longest-prefix-match order
     output_median: int = 134  # without ignore_eos: lognormal output length (Azure conv median)
     output_sigma: float = 0.9

@@ -49,6 +49,9 @@ KV_BOUND_USAGE = 0.8
 # cap above this is reached by doubling, one round per probe, while the engine is still
 # prefilling what it took, and is remembered: later bursts go out at once.
 SLOW_START_RUNNING = 8
+# A learned cap may be wrong low (above): pushes may go this fraction past it (1 / N, at
+# least one request), and the cap grows to what the engine then runs.
+LEARNED_CAP_STEP = 8
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -86,11 +89,17 @@ def _slow_start_full(view: ReplicaView, unseen: int) -> bool:
 
 
 def _over_learned_cap(view: ReplicaView, unseen: int) -> bool:
-    """One push beyond a learned cap is allowed: it waits one step at most, and if the engine
-    admits it, the next probe shows more running and the cap grows (a cap learned low from a
-    passing moment corrects itself)."""
+    """An eighth beyond a learned cap (at least one push) is allowed: it waits a step or so if
+    the cap is real, and if the engine admits it, the next probe shows more running and the
+    cap grows. A cap learned too low corrects itself by an eighth a probe round, not one
+    request: vLLM's token budget holds running flat with requests waiting while its prefill is
+    the bottleneck (a burst of long prompts on the emulator's vLLM face with a 256-token
+    budget taught 6 where 64 may run), and when short prompts follow it may run many more."""
     cap = view.learned_max_running
-    return view.max_running is None and cap is not None and view.running + unseen > cap
+    if view.max_running is not None or cap is None:
+        return False
+    past = -(-cap // LEARNED_CAP_STEP)  # an eighth, rounded up: at least one
+    return view.running + unseen >= cap + past
 
 
 def learn_batch_cap(view: ReplicaView, pending: int | None, running: int | None) -> None:

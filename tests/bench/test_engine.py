@@ -89,6 +89,26 @@ def test_max_running_caps_the_batch():
     assert (e.load().num_running, e.load().num_waiting) == (2, 1)
 
 
+def test_admitting_within_the_step_budget_keeps_a_burst_of_long_prompts_waiting_while_running_grows():
+    """vLLM's V1 scheduler admits waiting requests only while the step's token budget lasts:
+    8 prompts of ~300 tokens against a 256-token budget go in one or two a step, with the
+    batch far from full and the KV nearly empty; admitted at once they all run in step one."""
+    def burst(within: bool) -> list[tuple[int, int]]:
+        e = Engine(replace(TINY, prefill_budget=256, max_running=64, kv_tokens=100_000, admit_within_budget=within))
+        for i in range(8):
+            e.submit(EngineRequest(f"r{i}", prompt(300, i), 4, ignore_eos=True), 0.0)
+        seen, now = [], 0.0
+        for _ in range(4):
+            now = e.step(now).end
+            seen.append((e.load().num_running, e.load().num_waiting))
+        return seen
+
+    within = burst(True)
+    assert within[0][1] > 0 and within[0][0] <= 2, within  # budget spent by the first prompt(s)
+    assert [r for r, _ in within] == sorted(r for r, _ in within) and within[-1][0] > within[0][0], within
+    assert burst(False)[0] == (8, 0)
+
+
 def test_kv_exhaustion_preempts_the_newest_and_everything_still_finishes():
     e = Engine(replace(TINY, decode_reserve=0))
     for i in range(4):  # prompts fit (4 × 450), their outputs (4 × 300) do not

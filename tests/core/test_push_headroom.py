@@ -52,7 +52,7 @@ def test_without_a_known_cap_a_burst_goes_out_by_doubling_and_the_most_seen_runn
     """vLLM reports KV room but not its batch cap: the first pushes stop at SLOW_START_RUNNING
     running-plus-unseen; each probe showing them all running (none waiting) doubles the next
     round; a cap learned from a probe with requests waiting takes over."""
-    from lb.core.pushing import SLOW_START_RUNNING, settle_completion, settle_probe
+    from lb.core.pushing import LEARNED_CAP_STEP, SLOW_START_RUNNING, settle_completion, settle_probe
 
     v = view(kv_free_tokens=10**6)
 
@@ -82,8 +82,8 @@ def test_without_a_known_cap_a_burst_goes_out_by_doubling_and_the_most_seen_runn
     assert v.learned_max_running == 3 * SLOW_START_RUNNING
     assert not has_headroom(v)  # requests wait there
     v.outstanding = 0
-    probe(running=0, waiting=0)  # all done; the next burst goes to the cap (and one past it) at once
-    assert burst() == 3 * SLOW_START_RUNNING + 1
+    probe(running=0, waiting=0)  # all done; the next burst goes to the cap and an eighth past it at once
+    assert burst() == 3 * SLOW_START_RUNNING + 3 * SLOW_START_RUNNING // LEARNED_CAP_STEP
 
 
 def test_a_reported_cap_needs_no_slow_start():
@@ -130,6 +130,15 @@ def test_a_batch_cap_the_engine_keeps_to_itself_is_learned_from_requests_waiting
     assert learned((3, 2), (3, 2), cap=4) == 4  # a passing moment does not lower it
     assert learned((0, 6), cap=4) == 6  # it admitted more: at least that
     assert learned((2, 3), (1, 3), kv_usage=None) == 3  # llama.cpp: slots full, no KV figure
+
+
+def test_a_large_learned_cap_lets_an_eighth_past_it():
+    from lb.core.pushing import LEARNED_CAP_STEP
+
+    big = dict(kv_free_tokens=500_000, running=64, learned_max_running=64)
+    past = 64 // LEARNED_CAP_STEP
+    assert has_headroom(view(**big, pushed_since_probe=past - 1))
+    assert not has_headroom(view(**big, pushed_since_probe=past))
 
 
 def test_a_learned_cap_lets_one_push_past_it_and_a_reported_cap_wins():

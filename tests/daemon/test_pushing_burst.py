@@ -143,3 +143,45 @@ def test_a_vllm_batch_cap_is_learned_and_then_holds_a_burst_in_the_lb():
     assert first_peak <= 2 * (SLOW_START_RUNNING - cap), first_peak
     assert engine_peak <= 2 * (1 + 1), engine_peak  # then: one past the cap per replica (+1 in transit)
     assert lb_peak >= BURST // 2, lb_peak
+
+
+def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_follow():
+    """vLLM admits waiting requests only while its step's token budget lasts: bursts of long
+    prompts (the emulator's vLLM face with a 256-token budget, `--admit-within-budget`) hold
+    running flat with requests waiting although 64 may run, and lb learns a cap that low.
+    When short prompts follow, pushes an eighth past the cap (at least one) are admitted and
+    the cap grows to what runs, an eighth or more a probe round (one request a round before:
+    9 → 15 and 7 → 13 over five bursts, against 8 → 56)."""
+    emu, url = start_emulator("--speed", "1", "--max-running", "64", "--kv-tokens", "200000",
+                              "--prefill-budget", "256", "--admit-within-budget", name="emu")
+    d = start_lb("--replica", url, "--engine", "vllm", "--pushing", "sp-pending")
+    admin = {"Authorization": f"Bearer {d.token}"}
+
+    async def burst(n: int, words: int) -> list[int]:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> int:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"{i} " + "word " * words}],
+                        "max_tokens": 4 + i % 5, "ignore_eos": True}
+                async with s.post(d.url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    def cap() -> int | None:
+        return d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0]["max_running"]
+
+    try:
+        poll(lambda: d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0].get("kv_free_tokens"),
+             what="the replica probed")
+        for _ in range(2):
+            assert asyncio.run(burst(24, 300)) == [200] * 24
+        low = cap()
+        for _ in range(8):
+            assert asyncio.run(burst(64, 10)) == [200] * 64
+        grown = cap()
+    finally:
+        d.proc.stop()
+        emu.stop()
+    print(f"cap learned from long prompts {low}, after eight bursts of short ones {grown}")
+    assert low is not None and low < 32, low  # the budget, not a batch of 64, held it
+    assert grown >= min(3 * low, 48), (low, grown)  # one request a round: under 2x
