@@ -29,8 +29,12 @@ PROFILE = "l4-llama3-8b"
 # The simulator's side of the comparison is the median of DRAWS runs with the HTTP hop drawn
 # from 2 ms x [0.5, 1.5] (bench/sim/arena.py HTTP_S): one draw of a tree workload's p90 moves
 # by a third with a millisecond here or there (mixed-tree, 200 requests: 569-1,085 ms over
-# seven draws), so one simulated run is no better an estimate than one live run.
-DRAWS = 9
+# seven draws), so one simulated run is no better an estimate than one live run. Mixed-tree's
+# p90 at 600 requests is bimodal (25 draws: 765-948 ms and 1,079-1,350 ms, as live runs are:
+# 708-1,060 and 1,109-1,359 on 2026-11-26), and the median of 9 draws fell in the low mode
+# (879 ms; of 25, 948 ms), so the median of 9 failed live medians near 1,170 ms that the
+# simulator's own draws reach. 25 draws cost ~3 s a workload.
+DRAWS = 25
 JITTER = 0.5
 
 
