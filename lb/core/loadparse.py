@@ -196,19 +196,14 @@ def usage_from_tail(tail: bytes) -> Usage | None:
     at = tail.rfind(b'"usage"')
     while at >= 0:
         start = _value_start(tail, at + len(b'"usage"'))
-        obj = _balanced_object(tail, start) if start >= 0 else None
-        if obj is not None:
-            try:
-                u = orjson.loads(obj)
-            except orjson.JSONDecodeError:
-                u = None
-            if isinstance(u, dict):  # Chat/Completions names, else the Responses API's
-                details = u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}
-                return Usage(
-                    prompt_tokens=int(u.get("prompt_tokens") or u.get("input_tokens") or 0),
-                    cached_tokens=int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
-                    completion_tokens=int(u.get("completion_tokens") or u.get("output_tokens") or 0),
-                )
+        u = _object_at(tail, start) if start >= 0 else None
+        if isinstance(u, dict):  # Chat/Completions names, else the Responses API's
+            details = u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}
+            return Usage(
+                prompt_tokens=int(u.get("prompt_tokens") or u.get("input_tokens") or 0),
+                cached_tokens=int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
+                completion_tokens=int(u.get("completion_tokens") or u.get("output_tokens") or 0),
+            )
         at = tail.rfind(b'"usage"', 0, at)
     return None
 
@@ -221,10 +216,11 @@ def _value_start(buf: bytes, i: int) -> int:
     return i if i < n and buf[i] == 123 else -1
 
 
-def _balanced_object(buf: bytes, start: int) -> bytes | None:
-    # Fast path: the first `}` where the braces balance and the bytes parse as JSON ends the
-    # object (a JSON object has no proper prefix that is itself an object). Byte-by-byte
-    # below only when a brace inside a string gets in the way (profiled on the request path).
+def _object_at(buf: bytes, start: int) -> object | None:
+    """The JSON object that opens at `start`, decoded; None when it does not end in `buf` or
+    is not JSON. Fast path: the first `}` where the braces balance and the bytes parse ends the
+    object (a JSON object has no proper prefix that is itself an object); byte by byte only
+    when a brace inside a string gets in the way (profiled on the request path)."""
     end = buf.find(b"}", start)
     for _ in range(FAST_OBJECT_TRIES):
         if end < 0:
@@ -232,11 +228,20 @@ def _balanced_object(buf: bytes, start: int) -> bytes | None:
         piece = buf[start:end + 1]
         if piece.count(b"{") == piece.count(b"}"):
             try:
-                orjson.loads(piece)
-                return piece
+                return orjson.loads(piece)
             except orjson.JSONDecodeError:
                 pass
         end = buf.find(b"}", end + 1)
+    piece = _balanced_object(buf, start)
+    if piece is None:
+        return None
+    try:
+        return orjson.loads(piece)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _balanced_object(buf: bytes, start: int) -> bytes | None:
     depth, in_str, esc = 0, False, False
     for i in range(start, len(buf)):
         c = buf[i]

@@ -101,6 +101,9 @@ def test_usage_from_stream_tail_skips_null_usage_chunks():
         loadparse.Usage(3, 0, 1)
     assert loadparse.usage_from_tail(b'data: {"usage":null}\n\ndata: [DONE]') is None
     assert loadparse.usage_from_tail(b'"usage":{"prompt_tok') is None  # cut off: no guess
+    # braces inside a string defeat the fast path (balanced braces that parse): the byte scan
+    assert loadparse.usage_from_tail(b'{"usage": {"prompt_tokens": 2, "note": "a } {{ b", '
+                                     b'"completion_tokens": 1}}') == loadparse.Usage(2, 0, 1)
     responses = (b'{"object":"response","usage":{"input_tokens":9,"output_tokens":4,"total_tokens":13,'
                  b'"input_tokens_details":{"cached_tokens":2}}}')
     assert loadparse.usage_from_tail(responses) == loadparse.Usage(9, 2, 4)  # the Responses API's names
