@@ -106,17 +106,28 @@ class PeerFront:
     Implements what `SimReplica` calls on its LB (tick_at, cfg, dispatch, completed, ...)."""
 
     class _Cfg:
-        probe_interval_s = 0.1
+        probe_interval_s = 0.1  # the grid a replica keeps its state on (`tick_at`)
         early_reprobe_s = 0.005
 
     def __init__(self, region: str, loop: EventLoop, policy: PeerPolicy, fleet: FleetSpec,
                  on_done: Callable[[SimRequest, int, int, int], None]):
         self.region, self.loop, self.policy, self.fleet = region, loop, policy, fleet
         self.cfg = self._Cfg()
+        if policy.scrape_interval_s is not None:  # a router that polls the engines: on its own period
+            self.cfg.probe_interval_s = policy.scrape_interval_s
+        policy.bind(self.scraped)
         self.replicas: dict[str, SimReplica] = {}
         self.order: list[str] = []
         self.inflight: dict[str, int] = {}
         self.on_done = on_done
+
+    def scraped(self, worker: str) -> tuple[int, float]:
+        """(waiting, KV usage) of `worker`'s engine as of the router's last poll: the state each
+        replica keeps as of the last grid tick (`SimReplica._before_change`), as `lb`'s probes
+        read it, else its live state, unchanged since that tick."""
+        rep = self.replicas[worker]
+        state = rep.snap if rep.snap_tick == self.tick_at(self.loop.now) else rep.engine.probe()
+        return state[0], state[2]
 
     def tick_at(self, t: float) -> float:
         i = self.cfg.probe_interval_s

@@ -2,18 +2,22 @@
 
 Each class models one published algorithm from its documentation and source (read, not
 copied), with the defaults of the version the live comparisons run (`bench/systems.py`
-pins sglang-router 0.3.2 and vllm-router 0.1.17; nginx is Debian's). All of them push
-blindly: a request is forwarded the moment it arrives and the engine queues it, so the
-only load a router knows is what it counts itself (requests it sent and has not seen
-finish) unless its docstring says otherwise.
+pins sglang-router 0.3.2 and vllm-router 0.1.17; nginx is Debian's; llm-d's scheduler and
+LiteLLM are modelled from their source, not run here). All of them push blindly: a request
+is forwarded the moment it arrives and the engine queues it, so the only load a router
+knows is what it counts itself (requests it sent and has not seen finish) or, for one that
+polls the engines (`scrape_interval_s`), what its last scrape said.
 
-Interface (`PeerPolicy`): `choose(req, workers, now) -> worker id` over every healthy
-worker in the router's order, with `inflight[id]` the router's own open requests;
-`forget(id)` when a worker leaves. `req` is a `PeerRequest`: what the router can read off
-the HTTP request (the prompt as tokens, the headers the live client sends).
+Interface (`PeerPolicy`): `choose(req, workers, inflight, now) -> worker id` over every
+healthy worker in the router's order, with `inflight[id]` the router's own open requests;
+`bind(scrape)` once, where `scrape(id)` is the worker's (waiting, KV usage) as of the
+router's last poll; `forget(id)` when a worker leaves. `req` is a `PeerRequest`: what the
+router can read off the HTTP request (the prompt as tokens, the headers the live client
+sends).
 
-Known decisions of each are pinned against the live router in
-tests/bench/test_peer_policies_live.py.
+Known decisions of the routers installed here are pinned against the live router in
+tests/bench/test_peer_policies_live.py; the others' in tests/bench/test_sim_compare.py,
+against the rule their docstring quotes.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import heapq
 import random
 import zlib
 from bisect import bisect_left
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -39,16 +44,36 @@ class PeerRequest:
     user: str | None = None  # X-LB-User and the body's `user`
 
 
+Scrape = Callable[[str], tuple[int, float]]  # worker -> (requests waiting in its engine, KV usage 0..1)
+
+
 class PeerPolicy(Protocol):
     name: str
+    # how often the router polls each worker's engine metrics; None: it reads none (the front
+    # then gives `bind` nothing to use)
+    scrape_interval_s: float | None
+
+    def bind(self, scrape: Scrape) -> None: ...
 
     def choose(self, req: PeerRequest, workers: Sequence[str], inflight: dict[str, int], now: float) -> str: ...
 
     def forget(self, worker: str) -> None: ...
 
 
+class Blind:
+    """The default of every model below: no engine metrics read, nothing kept per worker."""
+
+    scrape_interval_s: float | None = None
+
+    def bind(self, scrape: Scrape) -> None:
+        pass
+
+    def forget(self, worker: str) -> None:
+        pass
+
+
 # -- round robin --------------------------------------------------------------------------
-class RoundRobin:
+class RoundRobin(Blind):
     """sglang-router 0.3.2 / vllm-router 0.1.17 `round_robin` (`policies/round_robin.rs`):
     an atomic counter taken modulo the number of healthy workers, in the router's worker
     order; load is never looked at."""
@@ -63,12 +88,10 @@ class RoundRobin:
         self.counter += 1
         return worker
 
-    def forget(self, worker):
-        pass
 
 
 # -- power of two -------------------------------------------------------------------------
-class PowerOfTwo:
+class PowerOfTwo(Blind):
     """sglang-router 0.3.2 / vllm-router 0.1.17 `power_of_two` (`policies/power_of_two.rs`):
     two distinct healthy workers drawn uniformly at random, the one with the lower load wins
     (the first of the pair on a tie).
@@ -97,8 +120,6 @@ class PowerOfTwo:
             return wa
         return wa if inflight.get(wa, 0) <= inflight.get(wb, 0) else wb
 
-    def forget(self, worker):
-        pass
 
 
 # -- cache aware --------------------------------------------------------------------------
@@ -198,7 +219,7 @@ class ApproxTree:
                     heapq.heappush(heap, (parent.access[tenant], id(parent), parent))
 
 
-class CacheAware:
+class CacheAware(Blind):
     """sglang-router 0.3.2 `cache_aware` (`policies/cache_aware.rs`, `policies/tree.rs`); the
     vllm-router 0.1.17 one is the same algorithm (a fork) with its own eviction default.
 
@@ -284,7 +305,7 @@ class _Ring:
         return self.owners[i % len(self.owners)]
 
 
-class VllmConsistentHash:
+class VllmConsistentHash(Blind):
     """vllm-router 0.1.17 `consistent_hash` (`policies/consistent_hash.rs`, `hash_key.rs`): a
     ring of 160 virtual nodes per worker; the key is the first header present of
     x-session-id, x-user-id, x-tenant-id, x-correlation-id, x-request-id, x-trace-id, then
@@ -301,11 +322,9 @@ class VllmConsistentHash:
     def choose(self, req, workers, inflight, now):
         return self.ring.owner(f"header:x-request-id:{req.request_id}", workers)
 
-    def forget(self, worker):
-        pass
 
 
-class NginxHashConsistent:
+class NginxHashConsistent(Blind):
     """nginx `hash $lb_session_key consistent` (ngx_http_upstream_hash_module, ketama): each
     server gets 160 points (weight 1) on a CRC32 ring, the key's CRC32 picks the first point
     at or after it, wrapping. The key is X-LB-Session, else the request id (the map in
@@ -319,12 +338,10 @@ class NginxHashConsistent:
     def choose(self, req, workers, inflight, now):
         return self.ring.owner(req.session or req.request_id, workers)
 
-    def forget(self, worker):
-        pass
 
 
 # -- least connections --------------------------------------------------------------------
-class NginxLeastConn:
+class NginxLeastConn(Blind):
     """nginx `least_conn` (ngx_http_upstream_least_conn_module): the server with the fewest
     active connections (weights equal); among ties, weighted round robin, which for equal
     weights takes the tied servers in turn."""
@@ -341,8 +358,140 @@ class NginxLeastConn:
         self.turn += 1
         return worker
 
+
+
+# -- llm-d ----------------------------------------------------------------------------------
+class LlmdScorers(Blind):
+    """llm-d's inference scheduler, the Gateway API Inference Extension endpoint picker (EPP),
+    with its default scheduling profile (`defaultPluginsConfig` of GIE v1 and llm-d's
+    "intelligent inference scheduling" well-lit path; read in the llm-d-inference-scheduler and
+    gateway-api-inference-extension sources, 2025-2026):
+
+    - `prefix-cache-scorer` (weight 3): the prompt in blocks of 16 tokens (vLLM's block; at
+      most 256 blocks), each hash chained to the one before; the longest run of blocks from
+      the start that the EPP's own index has for each server (`matchLongestPrefix`: walk the
+      blocks until one no server has, counting each server's hits), over the blocks. The index
+      is what the EPP itself sent where (`PreRequest` adds the chosen server under every block
+      of the prompt), an LRU of 31,250 blocks per server; it never sees the engines' caches.
+    - `queue-scorer` (weight 2): the engine's waiting requests, min-max normalised over the
+      candidates ((max − q) / (max − min); 1 for all when they are equal).
+    - `kv-cache-utilization-scorer` (weight 2): 1 − the engine's KV usage.
+
+    The weighted sum's maximum wins (`max-score-picker`, which shuffles first, so ties are
+    random). The metrics are what the EPP scraped from each engine's `/metrics`, every 50 ms by
+    default (`--refresh-metrics-interval`): between two scrapes every pick sees the same
+    queues, so a burst of siblings sees one picture. It pushes blindly: the EPP's flow control
+    (holding requests while every pod is saturated) is off by default and sheds only requests
+    marked sheddable, which the workloads here do not send."""
+
+    name = "default-scorers"
+    scrape_interval_s = 0.05
+
+    def __init__(self, *, seed: int = 0, block: int = 16, max_blocks: int = 256, lru_blocks: int = 31_250,
+                 prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0, **_: object):
+        self.rng = random.Random(seed)
+        self.block, self.max_blocks, self.lru_blocks = block, max_blocks, lru_blocks
+        self.weights = (prefix_weight, queue_weight, kv_weight)
+        self.holders: dict[int, set[str]] = {}  # block hash -> servers the index has it for
+        self.lru: dict[str, OrderedDict[int, None]] = {}  # server -> its block hashes, oldest first
+        self.scrape: Scrape | None = None
+
+    def bind(self, scrape: Scrape) -> None:
+        self.scrape = scrape
+
+    def chain(self, tokens: Sequence[int]) -> list[int]:
+        b, out, prev = self.block, [], 0
+        for i in range(min(len(tokens) // b, self.max_blocks)):
+            prev = hash((prev, tuple(tokens[i * b:(i + 1) * b])))
+            out.append(prev)
+        return out
+
+    def matched(self, chain: list[int]) -> dict[str, int]:
+        hits: dict[str, int] = {}
+        for key in chain:
+            servers = self.holders.get(key)
+            if not servers:
+                break
+            for s in servers:
+                hits[s] = hits.get(s, 0) + 1
+        return hits
+
+    def scores(self, chain: list[int], workers: Sequence[str]) -> dict[str, float]:
+        """Each worker's weighted sum, as the profile adds the three scorers."""
+        assert self.scrape is not None, "bind() the front's scrape before choosing"
+        hits, total = self.matched(chain), len(chain)
+        metrics = {w: self.scrape(w) for w in workers}
+        queues = [q for q, _ in metrics.values()]
+        lo, hi = min(queues), max(queues)
+        wp, wq, wk = self.weights
+        out = {}
+        for w, (q, kv) in metrics.items():
+            prefix = hits.get(w, 0) / total if total else 0.0
+            queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
+            out[w] = wp * prefix + wq * queue + wk * (1.0 - min(1.0, max(0.0, kv)))
+        return out
+
+    def choose(self, req, workers, inflight, now):
+        chain = self.chain(req.tokens)
+        scores = self.scores(chain, workers)
+        order = list(workers)
+        self.rng.shuffle(order)
+        target = max(order, key=scores.__getitem__)  # the first of the shuffled maxima
+        self._add(chain, target)
+        return target
+
+    def _add(self, chain: list[int], server: str) -> None:
+        lru = self.lru.setdefault(server, OrderedDict())
+        for key in chain:
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            lru[key] = None
+            self.holders.setdefault(key, set()).add(server)
+            if len(lru) > self.lru_blocks:
+                old, _ = lru.popitem(last=False)
+                self._drop(old, server)
+
+    def _drop(self, key: int, server: str) -> None:
+        servers = self.holders.get(key)
+        if servers is not None:
+            servers.discard(server)
+            if not servers:
+                del self.holders[key]
+
     def forget(self, worker):
+        for key in self.lru.pop(worker, ()):
+            self._drop(key, worker)
+
+
+# -- LiteLLM --------------------------------------------------------------------------------
+class LitellmShuffle(Blind):
+    """LiteLLM Router `simple-shuffle`, its default `routing_strategy`
+    (`router_strategy/simple_shuffle.py`): with no `weight`, `rpm` or `tpm` on the deployments
+    (self-hosted replicas have none), `random.choice` over the healthy ones."""
+
+    name = "simple-shuffle"
+
+    def __init__(self, *, seed: int = 0, **_: object):
+        self.rng = random.Random(seed)
+
+    def choose(self, req, workers, inflight, now):
+        return self.rng.choice(list(workers))
+
+
+class LitellmLeastBusy(Blind):
+    """LiteLLM Router `least-busy` (`router_strategy/least_busy.py`): a count per deployment, +1
+    just before the call and −1 when it succeeds or fails (a stream: when it ends); the first
+    deployment, in the order the counts were first recorded (the healthy list's order), with
+    the strictly smallest count."""
+
+    name = "least-busy"
+
+    def __init__(self, **_: object):
         pass
+
+    def choose(self, req, workers, inflight, now):
+        return min(workers, key=lambda w: inflight.get(w, 0))
 
 
 @dataclass(frozen=True)
@@ -367,4 +516,7 @@ PEERS: dict[str, PeerSpec] = {s.name: s for s in (
     PeerSpec("vllm-router consistent_hash", VllmConsistentHash),
     PeerSpec("nginx least_conn", NginxLeastConn),
     PeerSpec("nginx hash-session", NginxHashConsistent),
+    PeerSpec("llm-d default-scorers", LlmdScorers),
+    PeerSpec("litellm simple-shuffle", LitellmShuffle),
+    PeerSpec("litellm least-busy", LitellmLeastBusy),
 )}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from bench.sim.peer_policies import (CacheAware, NginxHashConsistent, NginxLeastConn, PeerRequest, PowerOfTwo,
-                                     RoundRobin, VllmConsistentHash)
+from bench.sim.peer_policies import (CacheAware, LitellmLeastBusy, LitellmShuffle, LlmdScorers, NginxHashConsistent,
+                                     NginxLeastConn, PeerRequest, PowerOfTwo, RoundRobin, VllmConsistentHash)
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 
@@ -66,6 +66,76 @@ def test_hashing_keys_what_each_router_reads():
     vllm = VllmConsistentHash()
     picks = {vllm.choose(req(i, [1], session="conv-7"), WORKERS, {}, 0) for i in range(40)}
     assert len(picks) > 1  # keyed on X-Request-Id, which the live client sends per request
+
+
+def llmd(metrics: dict[str, tuple[int, float]], **kw) -> LlmdScorers:
+    policy = LlmdScorers(**kw)
+    policy.bind(metrics.__getitem__)
+    return policy
+
+
+def test_llmd_weighs_its_own_prefix_index_3_to_2_against_the_waiting_queue_and_kv():
+    idle = {w: (0, 0.0) for w in WORKERS}
+    policy = llmd(idle, seed=3)
+    prefix = list(range(64))  # 4 blocks of 16 tokens
+    holder = policy.choose(req(0, prefix), WORKERS, {}, 0.0)
+    # the index is what the scheduler sent where: the holder has all four blocks
+    assert policy.matched(policy.chain(prefix)) == {holder: 4}
+    longer = prefix + list(range(1000, 1064))  # half of its 8 blocks are on the holder
+    assert policy.choose(req(1, longer), WORKERS, {}, 0.0) == holder  # 3 x 0.5 wins when all else is equal
+    # one request waiting on the holder and none elsewhere: min-max makes that a full 2 points, over 1.5
+    policy = llmd({**idle, holder: (1, 0.0)}, seed=3)
+    policy.choose(req(0, prefix), [holder], {}, 0.0)
+    assert policy.choose(req(1, longer), WORKERS, {}, 0.0) != holder
+    # a full match (3 points) outweighs the queue (2) ...
+    policy = llmd({**idle, holder: (9, 0.0)}, seed=3)
+    policy.choose(req(0, prefix), [holder], {}, 0.0)
+    assert policy.choose(req(1, prefix + [5]), WORKERS, {}, 0.0) == holder
+    # ... but not the queue and a full KV together (3 + 0 + 0.2 < 0 + 2 + 2)
+    policy = llmd({**idle, holder: (9, 0.9)}, seed=3)
+    policy.choose(req(0, prefix), [holder], {}, 0.0)
+    assert policy.choose(req(1, prefix + [5]), WORKERS, {}, 0.0) != holder
+    # nothing matched and the engines alike: the shuffled picker spreads the ties
+    policy = llmd(idle, seed=3)
+    assert len({policy.choose(req(i, range(i * 100, i * 100 + 32)), WORKERS, {}, 0.0) for i in range(40)}) == 4
+
+
+def test_llmd_index_is_an_lru_per_server():
+    policy = llmd({w: (0, 0.0) for w in WORKERS}, lru_blocks=6)
+    first, second = list(range(64)), list(range(500, 564))  # 4 blocks each
+    policy.choose(req(0, first), ["w1"], {}, 0.0)
+    policy.choose(req(1, second), ["w1"], {}, 0.0)  # 8 blocks on w1: the oldest two leave its index
+    assert policy.matched(policy.chain(first)) == {}  # its first block went first: nothing from the start
+    assert policy.matched(policy.chain(second)) == {"w1": 4}
+    policy.forget("w1")
+    assert policy.matched(policy.chain(second)) == {} and not policy.holders
+
+
+def test_llmd_sees_the_engines_as_of_its_last_scrape():
+    from bench.sim.compare import make_arena
+    from bench.sim.model import SimRequest
+
+    arena = make_arena("tot", "llm-d default-scorers", seed=0)
+    front = next(iter(arena.fronts.values()))
+    rep = arena.replicas[0]
+    arena.loop.run(0.02)  # inside the first 50 ms between two scrapes
+    for i in range(3):
+        rep.push_unscheduled(SimRequest(f"r{i}", "local", arena.model, "t", 0.02, list(range(i * 600, i * 600 + 512)), 50))
+    assert rep.engine.probe()[2] > 0.0  # the engine holds their KV at once
+    assert front.scraped(rep.id) == (0, 0.0)  # the router still has the scrape of 0 ms
+    arena.loop.run(0.06)
+    waiting, kv = front.scraped(rep.id)
+    assert kv > 0.0
+
+
+def test_litellm_default_shuffles_and_least_busy_takes_the_first_least_loaded():
+    shuffle = LitellmShuffle(seed=0)
+    loads = {"w0": 50, "w1": 0, "w2": 0, "w3": 0}
+    picks = [shuffle.choose(req(i, [1]), WORKERS, loads, 0.0) for i in range(400)]
+    assert min(picks.count(w) for w in WORKERS) > 70  # about 100 each: w0's 50 open requests are not looked at
+    busy = LitellmLeastBusy()
+    assert busy.choose(req(0, [1]), WORKERS, {"w0": 2, "w1": 1, "w2": 1, "w3": 3}, 0.0) == "w1"  # first of the ties
+    assert busy.choose(req(1, [1]), WORKERS, {"w0": 2, "w1": 1, "w2": 1, "w3": 3}, 0.0) == "w1"  # no turn-taking
 
 
 def test_sim_compare_writes_the_summary_schema(tmp_path, monkeypatch):
