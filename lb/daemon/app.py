@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import web
 
+from lb.core import cors
 from lb.core.policies import make_policy
 from lb.core.urls import denied, parse_deny
 from lb.daemon import config as config_mod
@@ -156,12 +157,46 @@ class LB:
 
 # SIGHUP applies these keys live: each is read per decision, nothing was sized by it.
 HOT_RELOAD = {
-    "server": ("tls_cert", "tls_key", "tls_client_ca"),  # re-read by _reload_tls
+    "server": ("tls_cert", "tls_key", "tls_client_ca",  # re-read by _reload_tls
+               "cors_allowed_origins"),  # read per request (_cors, _cors_headers)
     "proxy": ("forward_headers",),
     "pushing": ("mode", "max_outstanding", "push_credit", "max_unseen"),
     "queue": ("max_len", "timeout_s", "retry_after_s"),
     "fairness": ("throttle", "window_s", "user_rpm", "app_rpm", "user_rpm_overrides", "app_rpm_overrides"),
 }
+
+
+@web.middleware
+async def _cors(request: web.Request, handler) -> web.StreamResponse:
+    """A CORS preflight (OPTIONS with Access-Control-Request-Method) is answered here, before
+    routing, when `server.cors_allowed_origins` is set; lb.core.cors decides."""
+    origins = request.app[STATE].cfg.server.cors_allowed_origins
+    if not origins or request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+        return await handler(request)
+    h = request.headers
+    headers, why = cors.preflight(h.get("Origin"), h.get("Access-Control-Request-Method"),
+                                  h.get("Access-Control-Request-Headers"), origins)
+    if why is not None:
+        err = LBError(400, f"CORS preflight refused: {why}", code="cors_refused").response(h.get("X-Request-Id"))
+        err.headers.update(headers)
+        return err
+    return web.Response(status=204, headers=headers)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp `on_response_prepare`: an allowed origin's answers (streamed or not, errors
+    too) carry Access-Control-Allow-Origin, or the browser keeps them from the page."""
+    origin = request.headers.get("Origin")
+    origins = request.app[STATE].cfg.server.cors_allowed_origins
+    if origin is None or not origins or (request.method == "OPTIONS"
+                                         and "Access-Control-Request-Method" in request.headers):
+        return  # a preflight has its own headers (_cors)
+    for k in [k for k in response.headers if k.lower().startswith("access-control-")]:
+        del response.headers[k]  # lb's setting decides, not an engine's header passed through
+    for k, v in cors.response_headers(origin, origins).items():
+        if k == "Vary" and response.headers.get("Vary"):
+            v = f"{response.headers['Vary']}, {v}"
+        response.headers[k] = v
 
 
 async def _no_banner(request: web.Request, response: web.StreamResponse) -> None:
@@ -193,8 +228,9 @@ def _json(doc: object, status: int = 200) -> web.Response:
 
 
 def build_app(cfg: Config) -> web.Application:
-    app = web.Application(client_max_size=cfg.server.max_body_bytes, middlewares=[answer_errors])
+    app = web.Application(client_max_size=cfg.server.max_body_bytes, middlewares=[_cors, answer_errors])
     app.on_response_prepare.append(add_response_headers)  # e.g. x-lb-degraded
+    app.on_response_prepare.append(_cors_headers)
     app.on_response_prepare.append(_no_banner)
     routes = web.RouteTableDef()
 

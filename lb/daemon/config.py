@@ -24,6 +24,7 @@ from lb.core.affinity import AffinityConfig
 from lb.core.breaker import BreakerConfig
 from lb.core.budgets import BudgetConfig
 from lb.core.coalesce import coalesce_config
+from lb.core.cors import origin_problem
 from lb.core.deferred import DeferredConfig
 from lb.core.discovery import DiscoveryConfig
 from lb.core.fairness import FairnessConfig
@@ -67,6 +68,9 @@ class ServerConfig:
     tls_key: str = ""  # its private key (PEM); empty: in tls_cert
     tls_client_ca: str = ""  # CA bundle: clients must present a certificate it signed (mTLS between peer LBs)
     tracing: bool = False  # OpenTelemetry spans (the otel extra); also on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set
+    # Browser pages allowed to call lb (CORS, lb.core.cors): origins ("https://app.example.com")
+    # or "*"; empty: no cross-origin access, as vLLM's default. Reloaded on SIGHUP.
+    cors_allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,10 @@ def _check(cfg: Config) -> None:
         problem = url_problem(p.url, f"peers[{i}].url")
         if problem:
             raise ConfigError(problem.replace("the replica's `api_key`", "peering.secret (peers sign, lb.core.peering)"))
+    for i, origin in enumerate(cfg.server.cors_allowed_origins):
+        problem = origin_problem(origin, f"server.cors_allowed_origins[{i}]")
+        if problem:
+            raise ConfigError(problem)
     try:
         parse_deny(cfg.server.admin_replica_deny, "server.admin_replica_deny")
         tls.server_context(cfg.server.tls_cert, cfg.server.tls_key, cfg.server.tls_client_ca)
