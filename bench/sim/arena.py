@@ -102,7 +102,8 @@ class Call:
 
 
 class PeerFront:
-    """A peer router: blind pushing, its policy over its own in-flight counts, no queue.
+    """A peer router: blind pushing, its policy over its own in-flight counts (and, for a router
+    that polls the engines, their metrics as of its last scrape), no queue.
     Implements what `SimReplica` calls on its LB (tick_at, cfg, dispatch, completed, ...)."""
 
     class _Cfg:

@@ -25,6 +25,7 @@ from typing import Sequence
 
 from lb.core.backlog import forward_cost, parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
+from lb.core.prefix import request_chain
 from lb.core.types import ReplicaView, RequestFacts
 
 PEER_POLICIES = ("prefix-trie", "consistent-hash", "nearest")
@@ -282,6 +283,7 @@ class PeerRouter:
         self.rng = random.Random(seed)
         self.inner = (prefix_trie(rng=self.rng) if policy == "prefix-trie"
                       else ConsistentHash(rng=self.rng) if policy == "consistent-hash" else None)
+        self.regions: list[str] = []
 
     @staticmethod
     def view(st: PeerStatus) -> ReplicaView:
@@ -291,8 +293,23 @@ class PeerRouter:
                            outstanding=st.in_flight, pushed_since_probe=st.forwarded_since_status)
 
     def register(self, region: str) -> None:
+        if region not in self.regions:
+            self.regions.append(region)
         if self.inner is not None:
             self.inner.register(region)
+
+    def uncached(self, req: RequestFacts) -> dict[str, float]:
+        """The prompt tokens each peer region would compute for `req`: the prompt less the
+        prefix this LB already forwarded there (the snapshot trie), so a tree or conversation
+        whose earlier calls went to a region is predicted as the cache hit it is there. The
+        whole prompt where nothing is remembered (consistent-hash, nearest)."""
+        prompt = float(max(1, req.prompt_tokens))
+        memory = self.inner.prefix_memory if self.inner is not None else None
+        chain = request_chain(req, memory.block_chars, memory.isolate_tenants) if memory is not None else None
+        if not chain:
+            return dict.fromkeys(self.regions, prompt)
+        depths = memory.trie.depths(chain, self.regions)
+        return {r: prompt * (1.0 - depths[r] / len(chain)) for r in self.regions}
 
     def choose(self, req: RequestFacts, candidates: Sequence[PeerStatus], now: float) -> str | None:
         if not candidates:
@@ -340,11 +357,14 @@ def local_or_peer(req: RequestFacts, *, local_available: bool, peers: Sequence[t
 
 def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
                    peers: Sequence[tuple[PeerConfig, PeerStatus]], router: PeerRouter, tau: int, now: float,
-                   stale_s: float, margin_s: float = 0.0, exclude: frozenset[str] = frozenset()) -> PeerDecision:
+                   stale_s: float, margin_s: float = 0.0, exclude: frozenset[str] = frozenset(),
+                   remote_tokens: dict[str, float] | None = None) -> PeerDecision:
     """Forward by predicted TTFT: a request a local replica would take (predicted `local_ttft`
     there, with that prediction's typical error `local_error`) goes to a peer whose predicted
     TTFT plus the round trip is lower by more than the margin: the two predictions' combined
     error (a smaller gain cannot be told from noise) plus `margin_s`. Else "local".
+    A peer's prediction is for the tokens it would compute (`remote_tokens`, by region:
+    `PeerRouter.uncached`), else for the whole prompt.
 
     Only a fresh, healthy peer with its own queue at most τ, that serves the model, offers a
     replica in its advert and that the request's residency tag allows; the router picks among
@@ -357,7 +377,7 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
         if (st.region in exclude or st.rtt_s is None or not st.serves(req.model) or st.queue_len > tau
                 or not peer_fresh(st, now=now, stale_s=stale_s)):
             continue
-        remote = st.predict_ttft(req.model, tokens)
+        remote = st.predict_ttft(req.model, remote_tokens.get(st.region, tokens) if remote_tokens else tokens)
         if remote is None:
             continue
         ttft, error = remote

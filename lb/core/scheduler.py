@@ -445,13 +445,16 @@ class Scheduler:
         if local is None:  # no fit yet: Algorithm 1 alone
             return None
         error = self.backlog.error_s or 0.0
-        bound = peers.fastest_possible_s(entry.facts.model, max(1, entry.facts.prompt_tokens), error)
+        remote = peers.router.uncached(entry.facts)  # a peer that holds its prefix computes less
+        least = min(remote.values(), default=float(max(1, entry.facts.prompt_tokens)))
+        bound = peers.fastest_possible_s(entry.facts.model, least, error)
         if bound is None or local <= bound + peers.margin_s:
             return None  # no peer could win by the margin even with nothing ahead there
         usable, exclude = self._usable_peers(entry, peers)
         d = predicted_peer(entry.facts, local_ttft=local, local_error=error,
                            peers=[(p.config, p.status) for p in usable], router=peers.router, tau=peers.tau,
-                           now=now, stale_s=peers.stale_s, margin_s=peers.margin_s, exclude=exclude)
+                           now=now, stale_s=peers.stale_s, margin_s=peers.margin_s, exclude=exclude,
+                           remote_tokens=remote)
         # "peer-faster": a local replica would have taken it (`peer`: none could)
         return self._forward(entry, usable, d, peers, now, "peer-faster") if d.kind == "peer" else None
 

@@ -163,6 +163,25 @@ def test_our_own_unseen_forwards_close_the_gap():
     assert not st.unseen and st.ttft == {}  # this one saw them (and offers no prediction)
 
 
+def test_a_peer_holding_the_prefix_is_predicted_for_what_it_would_compute():
+    """A tree whose root went to eu: its next call is a cache hit there, not a full prefill."""
+    router = PeerRouter("prefix-trie")
+    for region in ("eu", "asia"):
+        router.register(region)
+    context = "a question and its first thoughts " * 100  # ~3,400 characters
+    router.observe(RequestFacts("root", "m", prompt=context, prompt_tokens=850), "eu", NOW)
+    child = RequestFacts("child", "m", prompt=context + " one more thought", prompt_tokens=1000)
+    remote = router.uncached(child)
+    assert remote["asia"] == 1000 and remote["eu"] < 200  # eu holds the context
+    peers = [(PeerConfig(r, f"http://{r}"), peer_status(r)) for r in ("eu", "asia")]
+    local = 0.15 + BASE + PER_TOKEN * 500 + 0.1  # half the prompt cached here: under a full prefill there
+    kw = dict(local_ttft=local, local_error=0.05, peers=peers, router=router, tau=2, now=NOW, stale_s=0.3)
+    assert predicted_peer(child, **kw).kind == "local"  # as a full prefill no peer wins
+    d = predicted_peer(child, remote_tokens=remote, **kw)
+    assert (d.kind, d.region) == ("peer", "eu")  # as the cache hit it is, eu does
+    assert PeerRouter("nearest").uncached(child) == {}  # no regions registered, nothing remembered
+
+
 def test_config_names_the_key():
     with pytest.raises(ValueError, match="peering.forward"):
         PeeringConfig.from_dict({"forward": "always"})
