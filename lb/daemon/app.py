@@ -25,7 +25,7 @@ from lb.core.urls import denied, parse_deny
 from lb.daemon import config as config_mod
 from lb.daemon.capacity import Capacity
 from lb.daemon.gate import add_response_headers
-from lb.daemon.config import Config, ConfigError, ReplicaConfig
+from lb.daemon.config import Config, ConfigError
 from lb.daemon.discovery import Discovery
 from lb.daemon.dispatch import Dispatcher
 from lb.daemon.errors import LBError, answer_errors, error_body
