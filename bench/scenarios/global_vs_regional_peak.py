@@ -194,7 +194,8 @@ def _plot(variants: dict, out_dir: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    res = run(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/global-vs-regional-peak"), quick="--quick" in sys.argv)
+    dirs = [a for a in sys.argv[1:] if not a.startswith("-")]  # `--quick OUT` and `OUT --quick` alike
+    res = run(Path(dirs[0] if dirs else "/tmp/global-vs-regional-peak"), quick="--quick" in sys.argv)
     print(res["sizing"])
     for v, s in res["variants"].items():
         print(f"{v:11s} replicas={s['replicas']:3d} {s['per_region']} instance_hours={s['instance_hours']:.1f} "

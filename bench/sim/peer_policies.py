@@ -122,6 +122,17 @@ class PowerOfTwo(Blind):
 
 
 
+def block_chain(tokens: Sequence[int], block: int, limit: int | None = None) -> list[int]:
+    """The prompt's whole blocks of `block` tokens (at most `limit`), each named by a hash
+    chained to the one before, so a block matches only after the same prefix."""
+    n = len(tokens) // block if limit is None else min(len(tokens) // block, limit)
+    out, prev = [], 0
+    for i in range(0, n * block, block):
+        prev = hash((prev, tuple(tokens[i:i + block])))
+        out.append(prev)
+    return out
+
+
 # -- cache aware --------------------------------------------------------------------------
 class _Node:
     __slots__ = ("key", "parent", "kids", "access")
@@ -146,11 +157,7 @@ class ApproxTree:
         self.size: dict[str, int] = {}  # tenant -> tokens it holds (tenant_char_count / 4)
 
     def chain(self, tokens: Sequence[int]) -> list[int]:
-        b, out, prev = self.block, [], 0
-        for i in range(0, len(tokens) - b + 1, b):
-            prev = hash((prev, tuple(tokens[i:i + b])))
-            out.append(prev)
-        return out
+        return block_chain(tokens, self.block)
 
     def add_tenant(self, tenant: str) -> None:
         self.size.setdefault(tenant, 0)
@@ -400,11 +407,7 @@ class LlmdScorers(Blind):
         self.scrape = scrape
 
     def chain(self, tokens: Sequence[int]) -> list[int]:
-        b, out, prev = self.block, [], 0
-        for i in range(min(len(tokens) // b, self.max_blocks)):
-            prev = hash((prev, tuple(tokens[i * b:(i + 1) * b])))
-            out.append(prev)
-        return out
+        return block_chain(tokens, self.block, self.max_blocks)
 
     def matched(self, chain: list[int]) -> dict[str, int]:
         hits: dict[str, int] = {}

@@ -35,14 +35,19 @@ def allowed(origin: str | None, origins: tuple[str, ...]) -> bool:
     return bool(origin) and ("*" in origins or origin in origins)
 
 
-def response_headers(origin: str | None, origins: tuple[str, ...]) -> dict[str, str]:
+def is_preflight(method: str, has_request_method: bool) -> bool:
+    """A browser's preflight: OPTIONS carrying Access-Control-Request-Method."""
+    return method == "OPTIONS" and has_request_method
+
+
+def response_headers(origin: str | None, origins: tuple[str, ...], vary: str | None = None) -> dict[str, str]:
     """Headers an answer to a cross-origin request carries (none when the origin is not allowed:
-    the browser then keeps the answer from the page)."""
+    the browser then keeps the answer from the page); `vary`: the answer's own Vary, kept."""
     if not allowed(origin, origins):
         return {}
     if "*" in origins:
         return {"Access-Control-Allow-Origin": "*"}
-    return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+    return {"Access-Control-Allow-Origin": origin, "Vary": f"{vary}, Origin" if vary else "Origin"}
 
 
 def preflight(origin: str | None, method: str | None, request_headers: str | None,

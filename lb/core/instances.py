@@ -13,7 +13,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from lb.core.prefix import PrefixTrie
+from lb.core.prefix import PrefixTrie, uncached_tokens
 from lb.core.types import ReplicaView
 
 MAX_REMOTE_LOG = 1024  # the others' pushes remembered per replica (only recent ones matter)
@@ -142,4 +142,4 @@ def heard_prefill(trie: PrefixTrie, push: HeardPush, now: float) -> float:
         return float(push.prompt_tokens)
     depth, _ = trie.match(push.chain, {push.replica})
     trie.insert(push.chain, push.replica, now)
-    return push.prompt_tokens * (1.0 - depth / len(push.chain))
+    return uncached_tokens(push.prompt_tokens, depth, len(push.chain))

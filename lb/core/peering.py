@@ -25,7 +25,7 @@ from typing import Sequence
 
 from lb.core.backlog import forward_cost, parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
-from lb.core.prefix import request_chain
+from lb.core.prefix import request_chain, uncached_tokens
 from lb.core.types import ReplicaView, RequestFacts
 
 PEER_POLICIES = ("prefix-trie", "consistent-hash", "nearest")
@@ -309,7 +309,7 @@ class PeerRouter:
         if not chain:
             return dict.fromkeys(self.regions, prompt)
         depths = memory.trie.depths(chain, self.regions)
-        return {r: prompt * (1.0 - depths[r] / len(chain)) for r in self.regions}
+        return {r: uncached_tokens(prompt, depths[r], len(chain)) for r in self.regions}
 
     def choose(self, req: RequestFacts, candidates: Sequence[PeerStatus], now: float) -> str | None:
         if not candidates:

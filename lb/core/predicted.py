@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Collection
 
-from lb.core.prefix import PrefixTrie, request_chain
+from lb.core.prefix import PrefixTrie, request_chain, uncached_tokens
 from lb.core.types import Decision, ReplicaView, RequestFacts
 
 # EWMA weight of one sample: about the last 10 requests of a replica count, so a replica that
@@ -203,7 +203,7 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         prompt = max(1, req.prompt_tokens)
         self._depths = depths = self.trie.depths(chain, [v.id for v in candidates])
-        uncached = [prompt * (1.0 - depths[v.id] / len(chain)) if chain else prompt for v in candidates]
+        uncached = [uncached_tokens(prompt, depths[v.id], len(chain)) for v in candidates]
         work = [max(v.pending * prompt + self.unseen_prefill(v), v.prefill_ahead) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}

@@ -58,6 +58,12 @@ def request_chain(req: RequestFacts, block_chars: int = DEFAULT_BLOCK_CHARS, iso
     return chain
 
 
+def uncached_tokens(prompt_tokens: float, depth: int, blocks: int) -> float:
+    """The prompt tokens a target holding `depth` of the prompt's `blocks` chain blocks still
+    computes (all of them when the prompt has no whole block)."""
+    return prompt_tokens * (1.0 - depth / blocks) if blocks else float(prompt_tokens)
+
+
 def known_depth(chain: Sequence, nodes: Collection) -> int:
     """How many leading blocks of `chain` are in `nodes`, by binary search: a trie holding a
     block holds every block before it, so membership is prefix-closed."""

@@ -67,6 +67,7 @@ from lb.core.peering import (DEFAULT_TAU, PeerConfig, PeerDecision, PeerRouter, 
                              peer_available, predicted_peer)
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
+from lb.core.prefix import uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
 
@@ -372,8 +373,7 @@ class Scheduler:
     def _uncached(self, facts: RequestFacts) -> float:
         """The prompt tokens the policy's last choice will not find cached (its prefix match)."""
         d = self.policy.last
-        share = d.matched_blocks / d.total_blocks if d.total_blocks else 0.0
-        return max(1, facts.prompt_tokens) * (1.0 - share)
+        return uncached_tokens(max(1, facts.prompt_tokens), d.matched_blocks, d.total_blocks)
 
     def _place(self, entry: QueueEntry, target: Target, now: float) -> Placement:
         facts = entry.facts

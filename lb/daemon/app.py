@@ -171,7 +171,7 @@ async def _cors(request: web.Request, handler) -> web.StreamResponse:
     """A CORS preflight (OPTIONS with Access-Control-Request-Method) is answered here, before
     routing, when `server.cors_allowed_origins` is set; lb.core.cors decides."""
     origins = request.app[STATE].cfg.server.cors_allowed_origins
-    if not origins or request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+    if not origins or not cors.is_preflight(request.method, "Access-Control-Request-Method" in request.headers):
         return await handler(request)
     h = request.headers
     headers, why = cors.preflight(h.get("Origin"), h.get("Access-Control-Request-Method"),
@@ -188,15 +188,12 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
     too) carry Access-Control-Allow-Origin, or the browser keeps them from the page."""
     origin = request.headers.get("Origin")
     origins = request.app[STATE].cfg.server.cors_allowed_origins
-    if origin is None or not origins or (request.method == "OPTIONS"
-                                         and "Access-Control-Request-Method" in request.headers):
+    if origin is None or not origins or cors.is_preflight(request.method,
+                                                          "Access-Control-Request-Method" in request.headers):
         return  # a preflight has its own headers (_cors)
     for k in [k for k in response.headers if k.lower().startswith("access-control-")]:
         del response.headers[k]  # lb's setting decides, not an engine's header passed through
-    for k, v in cors.response_headers(origin, origins).items():
-        if k == "Vary" and response.headers.get("Vary"):
-            v = f"{response.headers['Vary']}, {v}"
-        response.headers[k] = v
+    response.headers.update(cors.response_headers(origin, origins, response.headers.get("Vary")))
 
 
 async def _no_banner(request: web.Request, response: web.StreamResponse) -> None:

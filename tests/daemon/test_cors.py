@@ -92,6 +92,7 @@ def test_origins_are_checked_when_the_config_is_read(tmp_path):
 
 def test_the_decision_without_a_server():
     assert response_headers(None, (APP,)) == {} and response_headers(APP, ()) == {}
+    assert response_headers(APP, (APP,), vary="Accept-Encoding")["Vary"] == "Accept-Encoding, Origin"
     headers, why = preflight(APP, "post", None, ("*",))
     assert why is None and headers["Access-Control-Allow-Origin"] == "*" and "Access-Control-Allow-Headers" not in headers
     headers, why = preflight(None, "POST", None, (APP,))
