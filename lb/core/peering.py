@@ -355,6 +355,23 @@ def local_or_peer(req: RequestFacts, *, local_available: bool, peers: Sequence[t
     return PeerDecision("peer" if region else "wait", region, tuple(blocked))
 
 
+def holder_peer(req: RequestFacts, region: str, *, peers: Sequence[tuple[PeerConfig, PeerStatus]], tau: int,
+                now: float, stale_s: float, exclude: frozenset[str] = frozenset()) -> PeerDecision:
+    """Follow a prefix: `region` holds much more of the request's prompt than any local
+    replica (`AffinityScheduler.across_regions`), and no local replica can take it now. It
+    goes there if that peer is fresh, serves the model, holds at most τ queued requests and
+    the residency tag allows it, even with no replica free there: queued beside its cache it
+    computes the rest of the prompt, not all of it. Else "wait" (Algorithm 1 decides)."""
+    if req.hops >= 1 or region in exclude:
+        return PeerDecision("wait")
+    for pc, st in peers:
+        if (st.region == region and st.serves(req.model) and peer_fresh(st, now=now, stale_s=stale_s)
+                and st.queue_len + st.forwarded_since_status <= tau
+                and residency_allows(req.residency, pc.allowed_residency)):
+            return PeerDecision("peer", region)
+    return PeerDecision("wait")
+
+
 def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
                    peers: Sequence[tuple[PeerConfig, PeerStatus]], router: PeerRouter, tau: int, now: float,
                    stale_s: float, margin_s: float = 0.0, exclude: frozenset[str] = frozenset(),

@@ -63,8 +63,8 @@ from typing import Iterable, Protocol, Sequence
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
-from lb.core.peering import (DEFAULT_TAU, PeerConfig, PeerDecision, PeerRouter, PeerStatus, local_or_peer,
-                             peer_available, predicted_peer)
+from lb.core.peering import (DEFAULT_TAU, PeerConfig, PeerDecision, PeerRouter, PeerStatus, holder_peer,
+                             local_or_peer, peer_available, predicted_peer)
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
 from lb.core.prefix import uncached_tokens
@@ -335,7 +335,7 @@ class Scheduler:
                 continue
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
             if not cands:
-                placed = self._to_peer(entry, peers, now) if peers_open else None
+                placed = self._to_peer(entry, peers, now, p.targets) if peers_open else None
                 if placed is not None:
                     out.append(placed)
                     if placed.kind is Kind.PEER:
@@ -426,9 +426,23 @@ class Scheduler:
             p.status.in_flight = p.view.outstanding
         return usable, frozenset(p.config.region for p in usable if p.view.id in entry.exclude)
 
-    def _to_peer(self, entry: QueueEntry, peers: PeerSet, now: float) -> Placement | None:
-        """SkyWalker Algorithm 1, second branch: no local replica can take it; an available peer?"""
+    def _to_peer(self, entry: QueueEntry, peers: PeerSet, now: float, targets: list) -> Placement | None:
+        """SkyWalker Algorithm 1, second branch: no local replica can take it; an available peer?
+        First where its prefix is: kept for a busy local holder (a HOLD), or sent to the peer
+        region that holds it (`AffinityScheduler.across_regions`)."""
         usable, exclude = self._usable_peers(entry, peers)
+        facts = entry.facts
+        if self.affinity.memory is not None and facts.hops == 0:
+            live = {t.view.id for t in targets
+                    if t.view.healthy and not t.view.draining and self._may_go(entry, t.view)}
+            where, region = self.affinity.across_regions(entry, now, live, peers.router.uncached(facts))
+            if where == "keep":
+                return Placement(entry, Kind.HOLD, reason="prefix-here", waited=now - entry.enqueued_at)
+            if where == "follow":
+                d = holder_peer(facts, region, peers=[(p.config, p.status) for p in usable], tau=peers.tau,
+                                now=now, stale_s=peers.stale_s, exclude=exclude)
+                if d.kind == "peer":
+                    return self._forward(entry, usable, d, peers, now, "peer-prefix")
         d = local_or_peer(entry.facts, local_available=False, peers=[(p.config, p.status) for p in usable],
                           router=peers.router, tau=peers.tau, now=now, stale_s=peers.stale_s, exclude=exclude)
         if d.kind != "peer":

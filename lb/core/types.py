@@ -120,7 +120,8 @@ class Decision:
     target: str | None
     reason: str  # prefix | predicted | load | ring | round-robin | cache | imbalance | smallest-tree | anticipated | none
     # (a placement's reason may also be peer: no local replica could take it; peer-faster: one
-    # could, and a peer's predicted TTFT plus the round trip was lower by the margin)
+    # could, and a peer's predicted TTFT plus the round trip was lower by the margin;
+    # peer-prefix: none could, and that peer region holds its context)
     matched_blocks: int = 0
     total_blocks: int = 0
     # the chosen target's predicted TTFT, if the policy predicts one (predicted-ttft: its cost,
