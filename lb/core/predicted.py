@@ -117,14 +117,16 @@ class TtftModel:
         """Predicted cost of placing the request on each view: its TTFT there for the given
         prefill work (tokens), plus (times `others_weight`) the delay its own uncached prefill
         adds to every request running there (each of their next tokens waits for it)."""
-        steps = [s for r in self.rates.values() if (s := r.step()) is not None]
-        prior = median(steps) if steps else 1.0  # a replica without samples: assumed typical
+        prior = None  # a replica without samples: assumed typical (the median), found only when needed
         ratio = self.prefill_ratio()
         out = []
         for view, w, u in zip(views, work, uncached):
             r = self.rates.get(view.id)
             step = r.step() if r is not None else None
             if step is None:
+                if prior is None:
+                    steps = [s for r in self.rates.values() if (s := r.step()) is not None]
+                    prior = median(steps) if steps else 1.0
                 step = prior
             out.append(step * (1.0 + ratio * (w + self.others_weight * (view.running + view.pushed_since_probe) * u)))
         return out
