@@ -26,8 +26,8 @@ def status(region: str, *, free: int, queue: int = 0, at: float = NOW) -> PeerSt
     return st
 
 
-def peers(router: PeerRouter, **free: int) -> PeerSet:
-    targets = [PeerTarget(PeerConfig(r, f"http://{r}"), status(r, free=n),
+def peers(router: PeerRouter, at: float = NOW, **free: int) -> PeerSet:
+    targets = [PeerTarget(PeerConfig(r, f"http://{r}"), status(r, free=n, at=at),
                           ReplicaView(id=f"peer:{r}", url="", engine="peer", region=r), handle=r)
                for r, n in free.items()]
     return PeerSet(targets, router, tau=2, stale_s=1.0, forward="overflow")
@@ -106,3 +106,16 @@ def test_a_holder_region_with_a_long_queue_or_a_stale_status_is_not_followed():
     ps.targets[0].status = status("eu", free=0, at=NOW - 5.0)  # 5 s old, stale after 1 s
     (p,) = s.schedule(NOW, [busy], ps)
     assert (p.kind, p.target, p.reason) == (Kind.PEER, "asia", "peer")
+
+
+def test_a_long_answer_waits_for_its_cache_no_longer_than_max_bypass_when_a_peer_could_serve_it():
+    """The hold bound grows with max_tokens (60 s for 1,000 tokens); with a peer replica free
+    now, a request waits for its busy local holder at most max_bypass_s (2 s)."""
+    s, busy = setup()
+    s.policy.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "a", NOW)
+    long = RequestFacts("c1", "m", prompt=CONTEXT + " thought c1", prompt_tokens=1000, max_tokens=1000)
+    assert s.affinity.cfg.hold_bound(long) == 60.0 and s.affinity.cfg.max_bypass_s == 2.0
+    admit(s, long, 1)
+    assert s.schedule(NOW + 1.9, [busy], peers(router(), at=NOW + 1.9, eu=1))[0].kind is Kind.HOLD
+    (p,) = s.schedule(NOW + 2.0, [busy], peers(router(), at=NOW + 2.0, eu=1))
+    assert (p.kind, p.target) == (Kind.PEER, "eu")
