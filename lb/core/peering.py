@@ -258,10 +258,14 @@ def peer_fresh(st: PeerStatus, *, now: float, stale_s: float) -> bool:
     return st.healthy and st.last_ok_at is not None and now - st.last_ok_at <= max(stale_s, st.fresh_s or 0.0)
 
 
+def peer_queue_open(st: PeerStatus, *, tau: int, now: float, stale_s: float) -> bool:
+    """Fresh, and its queue plus our forwards its status has not counted at most τ."""
+    return peer_fresh(st, now=now, stale_s=stale_s) and st.queue_len + st.forwarded_since_status <= tau
+
+
 def peer_available(st: PeerStatus, model: str, *, tau: int, now: float, stale_s: float) -> bool:
-    if not peer_fresh(st, now=now, stale_s=stale_s):
-        return False
-    if st.queue_len + st.forwarded_since_status > tau:
+    """Algorithm 1's available peer: its queue is open and it has a replica free for `model`."""
+    if not peer_queue_open(st, tau=tau, now=now, stale_s=stale_s):
         return False
     free = st.free.get(model, 0) if model else sum(st.free.values())
     return free - st.forwarded_since_status >= 1
@@ -365,8 +369,7 @@ def holder_peer(req: RequestFacts, region: str, *, peers: Sequence[tuple[PeerCon
     if req.hops >= 1 or region in exclude:
         return PeerDecision("wait")
     for pc, st in peers:
-        if (st.region == region and st.serves(req.model) and peer_fresh(st, now=now, stale_s=stale_s)
-                and st.queue_len + st.forwarded_since_status <= tau
+        if (st.region == region and st.serves(req.model) and peer_queue_open(st, tau=tau, now=now, stale_s=stale_s)
                 and residency_allows(req.residency, pc.allowed_residency)):
             return PeerDecision("peer", region)
     return PeerDecision("wait")

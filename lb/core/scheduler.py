@@ -347,9 +347,7 @@ class Scheduler:
                         break  # nothing behind can be placed either
                 continue
             if memory is not None:
-                live = {t.view.id for t in p.targets
-                        if t.view.healthy and not t.view.draining and self._may_go(entry, t.view)}
-                if self.affinity.hold(entry, now, {t.view.id for t in cands}, live):
+                if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets)):
                     out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
                                          waited=now - entry.enqueued_at))
                     continue
@@ -395,6 +393,10 @@ class Scheduler:
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
                          d.matched_blocks, d.total_blocks)
 
+    def _live(self, entry: QueueEntry, targets: list) -> set[str]:
+        """The healthy local targets that could serve `entry`, free or busy (where its prefix may be)."""
+        return {t.view.id for t in targets if t.view.healthy and not t.view.draining and self._may_go(entry, t.view)}
+
     @staticmethod
     def _may_go(entry: QueueEntry, view: ReplicaView) -> bool:
         return view.serves(entry.facts.model) and (entry.accepts is None or entry.accepts(view))
@@ -433,9 +435,8 @@ class Scheduler:
         usable, exclude = self._usable_peers(entry, peers)
         facts = entry.facts
         if self.affinity.memory is not None and facts.hops == 0:
-            live = {t.view.id for t in targets
-                    if t.view.healthy and not t.view.draining and self._may_go(entry, t.view)}
-            where, region = self.affinity.across_regions(entry, now, live, peers.router.uncached(facts))
+            where, region = self.affinity.across_regions(entry, now, self._live(entry, targets),
+                                                         peers.router.uncached(facts))
             if where == "keep":
                 return Placement(entry, Kind.HOLD, reason="prefix-here", waited=now - entry.enqueued_at)
             if where == "follow":
