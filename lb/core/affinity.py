@@ -22,12 +22,18 @@ brought up to the LB:
   (sp-micro's long-thought regime: hold 1 s → cache hit 0.53; ~15 s → 0.7, docs/results.md).
 - *Across regions*: with no local replica free, a request a busy local replica holds much
   more of than any peer region waits for it (at most `max_bypass_s`) rather than leave, and
-  one whose context a peer region holds goes there (`across_regions`).
-- *Bounded unfairness*: an entry that has waited `max_bypass_s` is never jumped over by the
-  reordering: no entry is passed over for longer than that (beyond what no head-of-line
-  blocking already allows: others placed while nothing can take it). A hold delays only
-  the held entry itself, so it is bounded by `hold_bound`, not by `max_bypass_s`, and an
-  entry that may still be held does not stop the reordering either (`bypass_bound`).
+  one whose context a peer region holds goes there, free local replica or not
+  (`across_regions`).
+- *Bounded unfairness*: an entry that has waited `max_bypass_s` at the front of the queue
+  (among the first `window` entries, where the reordering can pass it over) is never jumped
+  over: no entry is passed over for longer than that (beyond what no head-of-line blocking
+  already allows: others placed while nothing can take it). A hold delays only the held
+  entry itself, so it is bounded by `hold_bound`, not by `max_bypass_s`, and an entry that
+  may still be held does not stop the reordering either (`bypass_bound`). Both count from
+  when the entry reached the front (`front_wait`), not from its arrival: in a backlog every
+  entry arrives seconds before it can be placed, and counted from arrival the bounds had
+  passed before any entry got there, so an overloaded LB fell back to strict order and no
+  holds, placing each request on whichever replica freed first, its cache elsewhere.
 
 Pure: the daemon passes `now`, the free target ids and the policy's prefix memory.
 """
@@ -67,6 +73,12 @@ class AffinityConfig:
         return max(self.max_bypass_s, self.hold_bound(req))
 
 
+def front_wait(entry: QueueEntry, now: float) -> float:
+    """How long `entry` has waited at the front of the queue, where the reordering may pass
+    it over or a hold keep it; before it got there it waited for the queue ahead of it."""
+    return now - (entry.enqueued_at if entry.fronted_at is None else entry.fronted_at)
+
+
 class AffinityScheduler:
     def __init__(self, cfg: AffinityConfig, memory: PrefixMemory | None):
         self.cfg = cfg
@@ -89,7 +101,9 @@ class AffinityScheduler:
         unmatched: list[QueueEntry] = []
         stop: list[QueueEntry] = []
         for i, entry in enumerate(entries):
-            if now - entry.enqueued_at >= cfg.bypass_bound(entry.facts):
+            if entry.fronted_at is None:
+                entry.fronted_at = now
+            if now - entry.fronted_at >= cfg.bypass_bound(entry.facts):
                 stop.append(entry)
                 break
             depth, _, _ = memory.affinity(entry.facts, free)
@@ -104,19 +118,23 @@ class AffinityScheduler:
 
     def across_regions(self, entry: QueueEntry, now: float, live: Collection[str],
                        remote: dict[str, float]) -> tuple[str, str | None]:
-        """No local replica can take `entry` now, and a peer region might: where does its
-        prefix say it should go? `live`: the healthy local targets that could serve it;
-        `remote`: the prompt tokens each peer region would compute (`PeerRouter.uncached`).
+        """A peer region might take `entry`: where does its prefix say it should go? `live`:
+        the healthy local targets that could serve it; `remote`: the prompt tokens each peer
+        region would compute (`PeerRouter.uncached`).
 
-        ("keep", None): a busy local replica holds `min_gain` of its prompt more than any peer
-        region, so it waits for it (at most `max_bypass_s`, or its hold bound if shorter) instead of leaving
-        to recompute that context, and a request behind it with nothing cached here leaves
-        instead; ("follow", region): that peer region holds `min_gain` more than every local
-        replica (a tree or conversation whose earlier calls went there), so it goes there even
-        with no replica free there, to queue beside its cache; ("any", None): neither.
+        ("keep", None): a busy local replica holds more of its prompt than any peer region, by
+        half `min_gain` of it, so with no local replica free it waits for it (at most
+        `max_bypass_s` at the front, or its hold bound if shorter) instead of leaving to
+        recompute that context, and a request behind it with nothing cached here leaves
+        instead; ("follow", region): that peer region holds that much more than every local
+        replica (a tree or conversation whose earlier calls went there), so it goes there, free
+        local replica or not, to queue beside its cache; ("any", None): neither.
 
-        A tree split across regions recomputes its context on both sides: three regions at
-        1.1x capacity over 600 s, 5 seeds, TTFT p90 923 -> 818 ms (medians; docs/peering.md)."""
+        Half `min_gain`, not all of it: a split tree recomputes its context for each later call
+        on both sides, not once, and the tries hold prompts, not answers, so a call's parent
+        answer, cached where the parent ran, counts for nothing. Three regions over 300 s, 2 seeds, TTFT p90 at 1.1x:
+        min_gain x 0.15 530/491 ms, x 0.25 496/536, x 0.35 568/587, x 0.5 615/583
+        (docs/results.md)."""
         memory, facts = self.memory, entry.facts
         if memory is None or not remote:
             return "any", None
@@ -125,12 +143,12 @@ class AffinityScheduler:
             return "any", None
         prompt = max(1, facts.prompt_tokens)
         here = uncached_tokens(prompt, depth, blocks)
-        gain = self.cfg.min_gain * prompt
+        gain = self.cfg.min_gain / 2 * prompt
         region = min(remote, key=remote.__getitem__)
         # a peer could serve it now: it waits for its cache at most max_bypass_s, however long its
         # hold bound (60 s for 1,000 tokens); measured level with the hold bound (docs/results.md)
         keep_for = min(self.cfg.hold_bound(facts), self.cfg.max_bypass_s)
-        if remote[region] - here >= gain and now - entry.enqueued_at < keep_for:
+        if remote[region] - here >= gain and front_wait(entry, now) < keep_for:
             return "keep", None
         if here - remote[region] >= gain:
             return "follow", region
@@ -140,7 +158,7 @@ class AffinityScheduler:
         """Should `entry` wait for a busy replica that holds much more of its prompt than
         any free one? `live`: the healthy targets that could serve it, free or not."""
         cfg, memory = self.cfg, self.memory
-        waited = now - entry.enqueued_at
+        waited = front_wait(entry, now)
         if memory is None or waited >= cfg.hold_bound(entry.facts) or len(live) <= len(free):
             return False
         depth_all, blocks, holders = memory.affinity(entry.facts, live)

@@ -184,3 +184,6 @@ class QueueEntry:
     # already failed this request) unless no other healthy one serves it.
     accepts: Callable[[ReplicaView], bool] | None = None
     exclude: frozenset[str] = frozenset()
+    # When cache-affine ordering first saw it among the queue's first entries (None: not yet):
+    # its bounds on holds and reordering count from here, not from its arrival
+    fronted_at: float | None = None

@@ -51,12 +51,26 @@ def test_window_bounds_how_far_back_it_looks(policy):
     assert list(sched(policy, window=4).order([*cold, warm], 0.2, {"a"}))[0] is warm
 
 
-def test_nothing_jumps_over_an_overdue_entry(policy):
+def test_nothing_jumps_over_an_entry_overdue_at_the_front(policy):
+    """The bound counts from when an entry reached the front, not from its arrival: in a
+    backlog both arrived seconds before either could be placed, and counted from arrival
+    every entry was overdue at once, which turned the reordering off under load."""
     old = entry("old", "Unrelated question " * 30, 0.0, 0)
     warm = entry("warm", BASE + "tree A " * 40 + "child", 0.5, 1)
     s = sched(policy, max_bypass_s=1.0)
-    assert list(s.order([old, warm], 0.9, {"a"}))[0] is warm  # old has waited 0.9 s < 1 s
-    assert list(s.order([old, warm], 1.0, {"a"})) == [old, warm]  # now it has waited its bound
+    assert list(s.order([old, warm], 3.0, {"a"}))[0] is warm  # 3 s since arrival, 0 at the front
+    assert list(s.order([old, warm], 3.9, {"a"}))[0] is warm  # 0.9 s at the front < 1 s
+    assert list(s.order([old, warm], 4.0, {"a"})) == [old, warm]  # now it has waited its bound there
+
+
+def test_a_hold_counts_from_the_front_too(policy):
+    child = entry("child", BASE + "tree A " * 40 + "next step", 10.0)
+    ahead = entry("ahead", "Unrelated question " * 30, 9.0)
+    s = sched(policy, hold_s=0.25)
+    assert not s.hold(child, 20.1, free={"b"}, live={"a", "b"})  # 10 s since arrival, never at the front
+    s.order([ahead, child], 20.0, {"b"})  # now it is
+    assert s.hold(child, 20.1, free={"b"}, live={"a", "b"})
+    assert not s.hold(child, 20.3, free={"b"}, live={"a", "b"})  # past hold_s at the front
 
 
 def test_holds_for_a_busy_holder_only_while_young_and_only_for_a_long_match(policy):
@@ -95,5 +109,6 @@ def test_hold_grows_with_max_tokens_and_an_entry_that_may_be_held_is_not_overdue
     warm = entry("warm", prompt, 4.0, 9)
     old_long, old_short = (QueueEntry(facts=RequestFacts(request_id=f"o{n}", model="m", prompt="Unrelated " * 60,
                                                           max_tokens=n), enqueued_at=0.0, seq=n) for n in (256, 8))
+    s.order([old_long, old_short], 0.0, {"a"})  # both at the front since 0.0
     assert list(s.order([old_long, warm], 5.0, {"a"})) == [warm, old_long]  # may still be held: not overdue
     assert list(s.order([old_short, warm], 5.0, {"a"})) == [old_short, warm]  # overdue: nothing jumps over it

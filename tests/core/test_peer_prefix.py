@@ -92,20 +92,40 @@ def test_a_request_whose_context_went_to_a_peer_follows_it_there_even_with_no_re
     assert (overflow.kind, overflow.target, overflow.reason) == (Kind.PEER, "asia", "peer")
 
 
-def test_a_holder_region_with_a_long_queue_or_a_stale_status_is_not_followed():
+def test_a_holder_region_is_followed_whatever_its_queue_but_not_on_a_stale_status():
+    """τ keeps overflow off a busy peer, not a call from the context it holds: bounding the
+    follow by τ sent trees' later calls home to recompute their context."""
     s, busy = setup()
     r = router()
     r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "eu", NOW)
     admit(s, child("c1"), 1)
     ps = peers(r, eu=0, asia=1)
-    ps.targets[0].status.queue_len = 3  # over tau (2): eu takes no forward, asia's free replica does
+    ps.targets[0].status.queue_len = 30  # far over tau (2)
     (p,) = s.schedule(NOW, [busy], ps)
-    assert (p.kind, p.target, p.reason) == (Kind.PEER, "asia", "peer")
+    assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer-prefix")
     admit(s, child("c2"), 2)
     ps = peers(r, eu=0, asia=1)
     ps.targets[0].status = status("eu", free=0, at=NOW - 5.0)  # 5 s old, stale after 1 s
     (p,) = s.schedule(NOW, [busy], ps)
     assert (p.kind, p.target, p.reason) == (Kind.PEER, "asia", "peer")
+
+
+def test_a_request_follows_its_context_even_when_a_local_replica_is_free():
+    """Placed on the free local replica it would recompute the context eu holds and split its
+    tree across two regions; a request with no prefix anywhere takes the local replica."""
+    s, _ = setup()
+    free = Rep("b")
+    r = router()
+    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "eu", NOW)
+    admit(s, child("c1"), 1)
+    admit(s, other("o1"), 2)
+    followed, local = s.schedule(NOW, [free], peers(r, eu=0, asia=1))
+    assert (followed.kind, followed.target, followed.reason) == (Kind.PEER, "eu", "peer-prefix")
+    assert (local.kind, local.target_id, local.entry.facts.request_id) == (Kind.REPLICA, "b", "o1")
+    s.policy.observe(RequestFacts("root2", "m", prompt=CONTEXT, prompt_tokens=850), "b", NOW)
+    admit(s, child("c2"), 3)  # now b holds the context as well: it stays
+    (p,) = s.schedule(NOW, [free], peers(r, eu=0, asia=1))
+    assert (p.kind, p.target_id) == (Kind.REPLICA, "b")
 
 
 def test_a_long_answer_waits_for_its_cache_no_longer_than_max_bypass_when_a_peer_could_serve_it():
@@ -119,3 +139,17 @@ def test_a_long_answer_waits_for_its_cache_no_longer_than_max_bypass_when_a_peer
     assert s.schedule(NOW + 1.9, [busy], peers(router(), at=NOW + 1.9, eu=1))[0].kind is Kind.HOLD
     (p,) = s.schedule(NOW + 2.0, [busy], peers(router(), at=NOW + 2.0, eu=1))
     assert (p.kind, p.target) == (Kind.PEER, "eu")
+
+
+def test_a_peer_holding_less_than_min_gain_but_more_than_half_of_it_is_followed():
+    """The tries hold prompts, not answers, and a split tree pays on every later call: the
+    cross-region threshold is half `min_gain` (0.25 of the prompt by default)."""
+    s, busy = setup()
+    r = router()
+    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=400), "eu", NOW)
+    longer = RequestFacts("c1", "m", prompt=CONTEXT + " a long new step of reasoning " * 170, prompt_tokens=1000)
+    share = len(CONTEXT) / len(longer.prompt)
+    assert 0.3 < share < s.affinity.cfg.min_gain  # eu holds ~40 % of it, nothing local does
+    admit(s, longer, 1)
+    (p,) = s.schedule(NOW, [busy], peers(r, eu=0, asia=1))
+    assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer-prefix")
