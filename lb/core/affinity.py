@@ -55,7 +55,7 @@ class AffinityConfig:
     # so about as long as a thought of its length takes to decode on the holder
     hold_per_token_s: float = 0.06
     min_gain: float = 0.5  # ...and only if the holder's match beats every free replica's by this share of the prompt
-    max_bypass_s: float = 2.0  # an entry waiting this long is never held nor jumped over by the reordering
+    max_bypass_s: float = 2.0  # an entry waiting this long at the front of the queue is never held nor jumped over
 
     def __post_init__(self) -> None:
         if (self.window < 0 or self.hold_s < 0 or self.hold_per_token_s < 0 or self.max_bypass_s < 0
