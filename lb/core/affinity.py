@@ -132,9 +132,9 @@ class AffinityScheduler:
 
         Half `min_gain`, not all of it: a split tree recomputes its context for each later call
         on both sides, not once, and the tries hold prompts, not answers, so a call's parent
-        answer, cached where the parent ran, counts for nothing. Three regions over 300 s, 2 seeds, TTFT p90 at 1.1x:
-        min_gain x 0.15 530/491 ms, x 0.25 496/536, x 0.35 568/587, x 0.5 615/583
-        (docs/results.md)."""
+        answer, cached where the parent ran, counts for nothing. Three regions over 300 s, 2
+        seeds, TTFT p90 at 1.1x: min_gain x 0.15 530/491 ms, x 0.25 496/536, x 0.35 568/587,
+        x 0.5 615/583 (docs/results.md)."""
         memory, facts = self.memory, entry.facts
         if memory is None or not remote:
             return "any", None
@@ -143,7 +143,7 @@ class AffinityScheduler:
             return "any", None
         prompt = max(1, facts.prompt_tokens)
         here = uncached_tokens(prompt, depth, blocks)
-        gain = self.cfg.min_gain / 2 * prompt
+        gain = self._region_gain(prompt)
         region = min(remote, key=remote.__getitem__)
         # a peer could serve it now: it waits for its cache at most max_bypass_s, however long its
         # hold bound (60 s for 1,000 tokens); measured level with the hold bound (docs/results.md)
@@ -153,6 +153,18 @@ class AffinityScheduler:
         if here - remote[region] >= gain:
             return "follow", region
         return "any", None
+
+    def may_follow(self, facts: RequestFacts, remote: dict[str, float]) -> bool:
+        """Could `across_regions` answer "follow" for these peer estimates? A cheap precondition
+        (a peer must leave at most the prompt less the threshold to compute), so a request no
+        peer region remembers skips the local prefix match."""
+        prompt = max(1, facts.prompt_tokens)
+        return self.memory is not None and min(remote.values(), default=prompt) <= prompt - self._region_gain(prompt)
+
+    def _region_gain(self, prompt: float) -> float:
+        """How many more of the prompt's tokens one side must hold to keep or draw a request
+        across regions: half `min_gain` (`across_regions` says why)."""
+        return self.cfg.min_gain / 2 * prompt
 
     def hold(self, entry: QueueEntry, now: float, free: Collection[str], live: Collection[str]) -> bool:
         """Should `entry` wait for a busy replica that holds much more of its prompt than

@@ -466,8 +466,10 @@ class Scheduler:
         later calls find their context on two sides (three regions, 2 seeds x 300 s: TTFT p90
         at 1.1x 562/713 -> 496/536 ms, throughput at 1.3x 85.8/85.3 -> 94.7/90.4 req/s with
         the half-`min_gain` threshold and no τ for the holder; docs/results.md)."""
-        where, region = self.affinity.across_regions(entry, now, self._live(entry, targets),
-                                                     peers.router.uncached(entry.facts))
+        remote = peers.router.uncached(entry.facts)
+        if not self.affinity.may_follow(entry.facts, remote):
+            return None  # no peer region remembers enough of it: skip the local match
+        where, region = self.affinity.across_regions(entry, now, self._live(entry, targets), remote)
         if where != "follow":
             return None
         usable, exclude = self._usable_peers(entry, peers)

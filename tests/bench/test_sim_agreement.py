@@ -3,8 +3,8 @@
 For each closed-loop workload at a small size, the same workload, seed, clients and fleet
 (2 emulated L4 replicas, `lb` in front) runs in the simulator and over real emulator
 processes in real time (SPEED = 1: faster emulators turn every millisecond of CPU contention
-on a busy 2-core machine into more engine time). They must agree on throughput within 10 %, on TTFT p50 within 20 % + 50 ms and on p90 within
-30 % + 50 ms (`disagreements` says why).
+on a busy 2-core machine into more engine time). They must agree on throughput within 10 %,
+on TTFT p50 within 20 % + 50 ms and on p90 within 30 % + 50 ms (`disagreements` says why).
 The runs are request-bounded (not time-bounded) so a few per cent of latency cannot move a
 whole level of tree leaves in or out of the count. Both sets of figures are printed.
 """

@@ -40,6 +40,13 @@ def router() -> PeerRouter:
     return r
 
 
+def router_with_root_in(region: str, prompt_tokens: int = 850) -> PeerRouter:
+    """A peer router that remembers forwarding a tree's root (CONTEXT) to `region`."""
+    r = router()
+    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=prompt_tokens), region, NOW)
+    return r
+
+
 def child(rid: str) -> RequestFacts:
     return RequestFacts(rid, "m", prompt=CONTEXT + f" thought {rid}", prompt_tokens=1000)
 
@@ -83,8 +90,7 @@ def test_a_request_whose_context_went_to_a_peer_follows_it_there_even_with_no_re
     """The tree's root was forwarded to eu: its next call queues in eu beside its cache,
     though only asia has a replica free; a request with no prefix anywhere takes asia's."""
     s, busy = setup()
-    r = router()
-    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "eu", NOW)
+    r = router_with_root_in("eu")
     admit(s, child("c1"), 1)
     admit(s, other("o1"), 2)
     followed, overflow = s.schedule(NOW, [busy], peers(r, eu=0, asia=1))
@@ -96,8 +102,7 @@ def test_a_holder_region_is_followed_whatever_its_queue_but_not_on_a_stale_statu
     """τ keeps overflow off a busy peer, not a call from the context it holds: bounding the
     follow by τ sent trees' later calls home to recompute their context."""
     s, busy = setup()
-    r = router()
-    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "eu", NOW)
+    r = router_with_root_in("eu")
     admit(s, child("c1"), 1)
     ps = peers(r, eu=0, asia=1)
     ps.targets[0].status.queue_len = 30  # far over tau (2)
@@ -115,8 +120,7 @@ def test_a_request_follows_its_context_even_when_a_local_replica_is_free():
     tree across two regions; a request with no prefix anywhere takes the local replica."""
     s, _ = setup()
     free = Rep("b")
-    r = router()
-    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=850), "eu", NOW)
+    r = router_with_root_in("eu")
     admit(s, child("c1"), 1)
     admit(s, other("o1"), 2)
     followed, local = s.schedule(NOW, [free], peers(r, eu=0, asia=1))
@@ -145,8 +149,7 @@ def test_a_peer_holding_less_than_min_gain_but_more_than_half_of_it_is_followed(
     """The tries hold prompts, not answers, and a split tree pays on every later call: the
     cross-region threshold is half `min_gain` (0.25 of the prompt by default)."""
     s, busy = setup()
-    r = router()
-    r.observe(RequestFacts("root", "m", prompt=CONTEXT, prompt_tokens=400), "eu", NOW)
+    r = router_with_root_in("eu", prompt_tokens=400)
     longer = RequestFacts("c1", "m", prompt=CONTEXT + " a long new step of reasoning " * 170, prompt_tokens=1000)
     share = len(CONTEXT) / len(longer.prompt)
     assert 0.3 < share < s.affinity.cfg.min_gain  # eu holds ~40 % of it, nothing local does
