@@ -94,6 +94,7 @@ class LBConfig:
     peer_policy: str = _DAEMON.peering.policy  # which available peer takes a forward (lb.core.peering.PeerRouter)
     peer_forward: str = _DAEMON.peering.forward  # predicted | overflow ([peering] forward)
     peer_forward_margin_s: float = _DAEMON.peering.forward_margin_s
+    peer_lighter_share: float = _DAEMON.peering.lighter_share  # lb.core.peering.lighter_peer
     policy_options: dict = field(default_factory=lambda: dict(_DAEMON.routing.options))  # make_policy(policy, **policy_options)
     affinity: AffinityConfig = _DAEMON.affinity
     wsc: WscConfig | None = None  # WSC's settings (None: the order's defaults, the daemon's [fairness.wsc] defaults)
@@ -115,7 +116,7 @@ class LBConfig:
             max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
             max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
             peer_forward=cfg.peering.forward, peer_forward_margin_s=cfg.peering.forward_margin_s,
-            affinity=cfg.affinity), **overrides})
+            peer_lighter_share=cfg.peering.lighter_share, affinity=cfg.affinity), **overrides})
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(pushing=self.pushing, max_outstanding=self.max_outstanding,
@@ -497,7 +498,7 @@ class _SimPeers(PeerSet):
 
     def __init__(self, lb: SimLB, now: float):
         super().__init__((), lb.peer_router, tau=lb.cfg.peer_queue_tau, stale_s=math.inf, forward=lb.cfg.peer_forward,
-                         margin_s=lb.cfg.peer_forward_margin_s)
+                         margin_s=lb.cfg.peer_forward_margin_s, lighter_share=lb.cfg.peer_lighter_share)
         self.lb, self.now, self._targets = lb, now, None
 
     def open(self, now: float) -> bool:

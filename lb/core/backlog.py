@@ -205,7 +205,9 @@ def remote_ttft(advert: dict, tokens: float, unseen: list[float] = ()) -> float 
 
 def parse_advert(doc: object, limit: int = 16) -> dict | None:
     """A peer's `ttft` entry for one model, checked (None when malformed: a peer cannot make
-    us predict from garbage, nor hold an unbounded list)."""
+    us predict from garbage, nor hold an unbounded list). `load` (its offered replicas'
+    loads, for `lb.core.peering.lighter_peer`) is optional: a peer of an older version
+    sends none, and a malformed one is dropped, not the advert."""
     if not isinstance(doc, dict):
         return None
     raw = doc.get("ahead") or []
@@ -218,4 +220,15 @@ def parse_advert(doc: object, limit: int = 16) -> dict | None:
         return None
     if not all(math.isfinite(v) and v >= 0 for v in (base, per_token, error, *ahead)):
         return None
-    return {"base_s": base, "per_token_s": per_token, "error_s": error, "ahead": ahead}
+    return {"base_s": base, "per_token_s": per_token, "error_s": error, "ahead": ahead,
+            "load": _loads(doc.get("load"), limit)}
+
+
+def _loads(raw: object, limit: int) -> list[float]:
+    if not isinstance(raw, list):
+        return []
+    try:
+        loads = [float(x) for x in raw[:limit]]
+    except (TypeError, ValueError):
+        return []
+    return loads if all(math.isfinite(v) and v >= 0 for v in loads) else []

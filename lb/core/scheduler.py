@@ -63,8 +63,9 @@ from typing import Iterable, Protocol, Sequence
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
-from lb.core.peering import (DEFAULT_TAU, PeerConfig, PeerDecision, PeerRouter, PeerStatus, holder_peer,
-                             local_or_peer, peer_available, predicted_peer)
+from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, MIN_LIGHTER_GAP, PeerConfig, PeerDecision, PeerRouter,
+                             PeerStatus, holder_peer, lighter_peer, local_or_peer, peer_available, predicted_peer)
+from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
 from lb.core.prefix import uncached_tokens
@@ -123,13 +124,15 @@ class PeerSet:
     is read only when some entry has no local candidate, so a caller may build it lazily."""
 
     def __init__(self, targets: Sequence[PeerTarget], router: PeerRouter, *, tau: int = DEFAULT_TAU,
-                 stale_s: float = 0.3, forward: str = "predicted", margin_s: float = 0.0):
+                 stale_s: float = 0.3, forward: str = "predicted", margin_s: float = 0.0,
+                 lighter_share: float = LIGHTER_SHARE):
         self.targets = targets
         self.router = router
         self.tau = tau  # a peer whose queue is longer takes no forward
         self.stale_s = stale_s  # a status older than this means unavailable
         self.predicted = forward == "predicted"  # also forward what a local replica would take, when a peer is faster
         self.margin_s = margin_s  # beyond the predictions' error
+        self.lighter_share = lighter_share  # new work moves to a peer replica this much lighter (lighter_peer)
 
     def least_rtt_s(self) -> float | None:
         """The shortest measured round trip to any peer (None: none measured)."""
@@ -262,17 +265,19 @@ class Scheduler:
 
     def advertise(self, targets: Iterable[Target], now: float) -> dict[str, dict]:
         """model → what a peer needs to predict a forward's TTFT here (`ttft` in
-        `/lb/peer/status`): the fit and the work ahead on each replica that takes one now."""
+        `/lb/peer/status`): the fit and the work ahead on each replica that takes one now,
+        and those replicas' loads (for the peer's `lighter_peer`), least first."""
         self.backlog.expire(now)
-        free: dict[str, list[str]] = {}
+        free: dict[str, list[ReplicaView]] = {}
         for t in targets:
             if self.eligible(t, now):
                 for m in t.view.models:
-                    free.setdefault(m, []).append(t.view.id)
+                    free.setdefault(m, []).append(t.view)
         out = {}
-        for m, ids in free.items():
-            advert = self.backlog.advert(ids)
+        for m, views in free.items():
+            advert = self.backlog.advert([v.id for v in views])
             if advert is not None:
+                advert["load"] = sorted(load(v) for v in views)[:len(advert["ahead"])]
                 out[m] = advert
         return out
 
@@ -365,7 +370,7 @@ class Scheduler:
             if target is None:
                 continue
             if peers is not None and peers.predicted and facts.hops == 0:
-                forwarded = self._faster_peer(entry, target, peers, now)
+                forwarded = self._lighter_peer(entry, target, peers, now) or self._faster_peer(entry, target, peers, now)
                 if forwarded is not None:
                     out.append(forwarded)
                     continue
@@ -500,6 +505,22 @@ class Scheduler:
                            remote_tokens=remote)
         # "peer-faster": a local replica would have taken it (`peer`: none could)
         return self._forward(entry, usable, d, peers, now, "peer-faster") if d.kind == "peer" else None
+
+    def _lighter_peer(self, entry: QueueEntry, target: Target, peers: PeerSet, now: float) -> Placement | None:
+        """A local replica would take it (`target`), holding less than `min_gain` of its prompt
+        (new here: a tree or conversation that has not started in this region): a peer whose
+        least-loaded replica carries at most `lighter_share` of `target`'s load takes it
+        instead (`lb.core.peering.lighter_peer`; None: stay local)."""
+        here = load(target.view)
+        if peers.lighter_share <= 0 or here < MIN_LIGHTER_GAP:
+            return None
+        d = self.policy.last
+        if d.total_blocks and d.matched_blocks >= self.cfg.affinity.min_gain * d.total_blocks:
+            return None  # its context is cached here: it stays with it
+        usable, exclude = self._usable_peers(entry, peers)
+        d = lighter_peer(entry.facts, here, peers=[(p.config, p.status) for p in usable], router=peers.router,
+                         tau=peers.tau, now=now, stale_s=peers.stale_s, share=peers.lighter_share, exclude=exclude)
+        return self._forward(entry, usable, d, peers, now, "peer-lighter") if d.kind == "peer" else None
 
     def _forward(self, entry: QueueEntry, usable: list[PeerTarget], d: PeerDecision, peers: PeerSet,
                  now: float, reason: str = "peer") -> Placement:

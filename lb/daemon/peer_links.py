@@ -120,7 +120,8 @@ class Peers:
         # what the scheduler offers work to (lb.core.scheduler.PeerSet), filled at start()
         self.peer_set = PeerSet([], self.router, tau=self.pc.tau,
                                 stale_s=self.pc.stale_intervals * self.pc.probe_interval_s,
-                                forward=self.pc.forward, margin_s=self.pc.forward_margin_s)
+                                forward=self.pc.forward, margin_s=self.pc.forward_margin_s,
+                                lighter_share=self.pc.lighter_share)
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
         self._blocked_seen: OrderedDict[str, None] = OrderedDict()  # count a blocked request once

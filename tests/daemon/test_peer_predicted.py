@@ -163,3 +163,22 @@ def test_an_idle_home_keeps_its_requests_even_when_the_peer_is_idle_too(pair):
         assert all(f.result(timeout=60) == eu.emu_id for f in futures)
         pool.shutdown()
     assert us.metric("lb_peer_forwards_total") == before
+
+
+def test_new_work_goes_to_the_peer_whose_replica_runs_far_fewer(pair):
+    """us's replica decodes 8 long answers (short prompts: nothing much to prefill, so no
+    TTFT says leave); eu's runs none. A request with nothing cached at us starts its work in
+    eu (`lighter_peer`), and the status it decided on carries eu's replica loads."""
+    us, eu = pair
+    poll(lambda: advert(eu)["m"].get("load") == [0], what="eu idle, advertising its replica's load")
+    lighter = us.metric("lb_routing_decisions_total", reason="peer-lighter")
+    tag = {"x-lb-residency": "us"}  # eu may not hold these: they stay and fill us's batch
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream, us, 50, 70_000 + i, 400, tag) for i in range(8)]
+        try:
+            poll(lambda: us.emu_requests() >= 8, what="us's replica to run the long answers")
+            poll(lambda: us.metric("lb_replica_running", replica=us.emu_id) >= 8, what="us's probe to count them")
+            assert stream(us, 100, 77_001) == "peer:eu"
+        finally:
+            assert all(f.result(timeout=60) == us.emu_id for f in futures)
+    assert us.metric("lb_routing_decisions_total", reason="peer-lighter") == lighter + 1
