@@ -438,7 +438,7 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
 
 
 def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[PeerConfig, PeerStatus]],
-                 router: PeerRouter, tau: int, now: float, stale_s: float, share: float,
+                 tau: int, now: float, stale_s: float, share: float,
                  exclude: frozenset[str] = frozenset()) -> PeerDecision:
     """Balance new work across regions: a request a local replica carrying `local_load` would
     take, with little of its prompt cached here (the caller's test), goes to a peer whose
@@ -457,8 +457,9 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
     0.5x 370 ms, 0.75: level everywhere but 1.3x, which went back to 2,290 ms).
 
     Only a fresh, healthy peer with its queue at most τ, serving the model, whose advert
-    carries its replicas' loads, and that the request's residency tag allows; the router
-    picks among those."""
+    carries its replicas' loads, and that the request's residency tag allows; the lightest of
+    those takes it (the peer router's prefix and region-wide load say nothing for a request
+    new to every region)."""
     if req.hops >= 1 or share <= 0 or local_load < MIN_LIGHTER_GAP:
         return PeerDecision("local")
     candidates, blocked = [], []

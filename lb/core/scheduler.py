@@ -518,8 +518,8 @@ class Scheduler:
         if d.total_blocks and d.matched_blocks >= self.cfg.affinity.min_gain * d.total_blocks:
             return None  # its context is cached here: it stays with it
         usable, exclude = self._usable_peers(entry, peers)
-        d = lighter_peer(entry.facts, here, peers=[(p.config, p.status) for p in usable], router=peers.router,
-                         tau=peers.tau, now=now, stale_s=peers.stale_s, share=peers.lighter_share, exclude=exclude)
+        d = lighter_peer(entry.facts, here, peers=[(p.config, p.status) for p in usable], tau=peers.tau, now=now,
+                         stale_s=peers.stale_s, share=peers.lighter_share, exclude=exclude)
         return self._forward(entry, usable, d, peers, now, "peer-lighter") if d.kind == "peer" else None
 
     def _forward(self, entry: QueueEntry, usable: list[PeerTarget], d: PeerDecision, peers: PeerSet,
