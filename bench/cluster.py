@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet import Fleet, Service, free_port
+from lb.core.peering import DEFAULT_TAU
 from lb.core.policies import DEFAULT_POLICY
 
 MODES = ("peering", "region-local", "central")
@@ -60,7 +61,7 @@ class ClusterSpec:
     policy: str = DEFAULT_POLICY
     peer_policy: str = "prefix-trie"
     pushing: str = "sp-pending"
-    tau: int = 2
+    tau: int = DEFAULT_TAU
     workload: str = "multiturn"
     params: dict = field(default_factory=dict)
     lb: dict = field(default_factory=dict)  # extra TOML sections for every LB, e.g. {"queue": {...}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.cluster import ClusterSpec, RegionSpec, run_variant
+from lb.core.peering import DEFAULT_TAU
 from bench.scenarios.regional_skew import LATENCY_MS, MAX_RUNNING, PAPER_CLIENTS
 
 DESCRIPTION = "three regional LBs (peering, local clients) vs one central LB in us: P50/P90 TTFT and throughput"
@@ -21,7 +22,7 @@ def spec(mode: str, quick: bool) -> ClusterSpec:
         regions=[RegionSpec(name, 4, n // 4) for name, n in PAPER_CLIENTS.items()],
         mode=mode, central="us", latency_ms=LATENCY_MS, duration_s=25.0 if quick else 75.0,
         profile="l4-llama3-8b", speed=1.0, emulator_args=["--max-running", str(MAX_RUNNING)],
-        policy="prefix-trie", peer_policy="prefix-trie", pushing="sp-pending", tau=2,
+        policy="prefix-trie", peer_policy="prefix-trie", pushing="sp-pending", tau=DEFAULT_TAU,
         workload="multiturn", params={"output_tokens": 48 if quick else 64})
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.cluster import ClusterSpec, RegionSpec, run_variant
+from lb.core.peering import DEFAULT_TAU
 
 DESCRIPTION = "SkyWalker regional skew: lb with cross-region forwarding vs region-local, 12 and 9 replicas, 3 regions"
 PAPER_CLIENTS = {"us": 120, "eu": 40, "asia": 40}
@@ -31,7 +32,7 @@ def spec(mode: str, replicas: int, quick: bool) -> ClusterSpec:
         regions=[RegionSpec(name, per_region, n // scale) for name, n in PAPER_CLIENTS.items()],
         mode=mode, latency_ms=LATENCY_MS, duration_s=25.0 if quick else 75.0,
         profile="l4-llama3-8b", speed=1.0, emulator_args=["--max-running", str(MAX_RUNNING)],
-        policy="prefix-trie", peer_policy="prefix-trie", pushing="sp-pending", tau=2,
+        policy="prefix-trie", peer_policy="prefix-trie", pushing="sp-pending", tau=DEFAULT_TAU,
         workload="multiturn", params={"output_tokens": 48 if quick else 64})
 
 

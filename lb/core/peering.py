@@ -32,7 +32,13 @@ PEER_POLICIES = ("prefix-trie", "consistent-hash", "nearest")
 # overflow: SkyWalker's Algorithm 1 only (forward what no local replica can take);
 # predicted: also forward when a peer's predicted TTFT plus the round trip beats the local one
 FORWARD_MODES = ("predicted", "overflow")
-DEFAULT_TAU = 2  # peer queue length at which it stops taking forwards (SkyWalker: "small")
+# Peer queue length at which it stops taking overflow (SkyWalker: "small"). 8, not 2: where
+# every region is busy, a bound of 2 kept the busiest region's overflow home while its peers'
+# queues held a few requests each (three regions at 1.3x, 5 seeds x 600 s, with lighter_peer:
+# 92.1 [83.8, 93.3] -> 95.3 [89.0, 95.9] req/s, TTFT p90 1.9 s -> 641 ms; 1.1x 454 -> 441 ms;
+# 2 seeds x 300 s at 1.3x: 4 gave 94.9/95.4 req/s, 8 95.8/95.5, 16 95.8/95.4; docs/results.md).
+# Requests with a local replica free never overflow, so below capacity it rarely matters.
+DEFAULT_TAU = 8
 # lighter_peer: a request new here moves to a peer replica carrying at most this share of the
 # local choice's load, and at least this many requests fewer (below it a batch decodes at
 # about the same pace, and the round trip is all the move adds)
@@ -64,7 +70,7 @@ class PeeringConfig:
     probe_timeout_rtts: float = 3.0  # a probe times out after this many smoothed round trips (at least probe_timeout_s)
     probe_timeout_max_s: float = 2.0  # cap of the RTT-derived timeout, and the first probe's (no RTT measured yet)
     stale_intervals: int = 3  # a status older than this many probe cycles (interval, or the RTT if longer): unavailable
-    tau: int = DEFAULT_TAU
+    tau: int = DEFAULT_TAU  # a peer whose LB queue (plus our forwards it has not counted) holds more than this takes no overflow; holder follows ignore it
     policy: str = "prefix-trie"  # prefix-trie | consistent-hash | nearest
     forward: str = "predicted"  # predicted | overflow (Algorithm 1 only): when a request with a local replica goes to a peer
     forward_margin_s: float = 0.0  # seconds a peer must win by beyond the predictions' own measured error

@@ -176,7 +176,7 @@ class Dispatcher:
                 self._record(p)
                 for fn in self.on_dispatch:
                     fn(facts, rep, p.waited, now)
-            elif self.metrics is not None:  # a forward: why it left (peer, peer-faster, peer-prefix)
+            elif self.metrics is not None:  # a forward: why it left (peer, peer-faster, peer-lighter, peer-prefix)
                 self.metrics.decisions.labels(self.policy.name, p.target_id, p.reason).inc()
             fut: asyncio.Future = p.entry.payload
             if fut.done():  # its client left in the same instant: give the slot back
