@@ -459,8 +459,9 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
     (its later calls follow it: `Scheduler._follow`). At half the load and 4 fewer (2 seeds x
     300 s, docs/results.md), TTFT p90 at 0.9x 401/427 -> 366/383 ms, 1.1x 496/536 -> 440/442,
     1.3x 941/2,156 -> 761/808 ms and 94.7/90.4 -> 95.6/94.7 req/s; at 0.5x 292/297 -> 321/321
-    (the round trip on what moves). Nearer shares moved more and cost light loads more (0.9:
-    0.5x 370 ms, 0.75: level everywhere but 1.3x, which went back to 2,290 ms).
+    (the round trip on what moves). A share of 0.9 moved more and cost light loads more (0.5x
+    370/361 ms); 0.25 moved too little to help at 1.3x (2,290 ms). Moving requests whose
+    context is cached here as well split trees: 1.1x 695/693 ms, cache hit 0.91 -> 0.86.
 
     Only a fresh, healthy peer with its queue at most τ, serving the model, whose advert
     carries its replicas' loads, and that the request's residency tag allows; the lightest of
