@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.cluster import ClusterSpec, RegionSpec, run_variant
-from lb.core.peering import DEFAULT_TAU
 from bench.scenarios.regional_skew import LATENCY_MS, MAX_RUNNING, PAPER_CLIENTS
+from lb.core.peering import DEFAULT_TAU
 
 DESCRIPTION = "three regional LBs (peering, local clients) vs one central LB in us: P50/P90 TTFT and throughput"
 

@@ -455,13 +455,13 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
     leaves it, and the predicted-TTFT forward weighs first tokens only. A full batch decodes
     slower and evicts more cached prefixes: three regions at 1.1x (arrivals 2:1:1) ran 164/149
     requests at once on us's replicas and 79 on asia's, 168 against 114 ms per output token.
-    A request with nothing cached here loses nothing by starting its tree where there is room
-    (its later calls follow it: `Scheduler._follow`). At half the load and 4 fewer (2 seeds x
-    300 s, docs/results.md), TTFT p90 at 0.9x 401/427 -> 366/383 ms, 1.1x 496/536 -> 440/442,
-    1.3x 941/2,156 -> 761/808 ms and 94.7/90.4 -> 95.6/94.7 req/s; at 0.5x 292/297 -> 321/321
-    (the round trip on what moves). A share of 0.9 moved more and cost light loads more (0.5x
-    370/361 ms); 0.25 moved too little to help at 1.3x (2,290 ms). Moving requests whose
-    context is cached here as well split trees: 1.1x 695/693 ms, cache hit 0.91 -> 0.86.
+    A request with nothing cached here loses only the round trip by starting its tree where
+    there is room (its later calls follow it: `Scheduler._follow`). Measured (three regions, 5
+    seeds x 600 s, with τ 8, docs/results.md): TTFT p90 at 0.9x 417 -> 369 ms, 1.1x 548 -> 441
+    ms, 1.3x 3.9 s -> 641 ms and 88.5 -> 95.3 req/s. Swept over 2 seeds x 300 s: a share of
+    0.9 moved more and cost light loads the round trip (0.5x 292/297 -> 370/361 ms, at 0.5
+    316/327); 0.25 moved too little to help at 1.3x; moving requests whose context is cached
+    here as well split trees (1.1x 695/693 ms, cache hit 0.91 -> 0.86).
 
     Only a fresh, healthy peer with its queue at most τ, serving the model, whose advert
     carries its replicas' loads, and that the request's residency tag allows; the lightest of
@@ -469,7 +469,8 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
     new to every region)."""
     if req.hops >= 1 or share <= 0 or local_load < MIN_LIGHTER_GAP:
         return PeerDecision("local")
-    candidates, blocked = [], []
+    candidates: dict[str, float] = {}  # region → its least load
+    blocked = []
     for pc, st in peers:
         if (st.region in exclude or not st.serves(req.model) or st.queue_len > tau
                 or not peer_fresh(st, now=now, stale_s=stale_s)):
@@ -480,9 +481,8 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
         if not residency_allows(req.residency, pc.allowed_residency):
             blocked.append(pc.region)
             continue
-        candidates.append(st)
-    best = min(candidates, key=lambda st: st.least_load(req.model), default=None)
-    region = best.region if best else None
+        candidates[st.region] = least
+    region = min(candidates, key=candidates.__getitem__, default=None)
     return PeerDecision("peer" if region else "local", region, tuple(blocked))
 
 
