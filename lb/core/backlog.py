@@ -30,6 +30,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterable
 
 # EW weight of one sample: the fit follows about the last 50 first tokens, so it tracks a
 # batch that grows or shrinks over minutes while one odd request moves it by 2 %.
@@ -197,10 +198,17 @@ def remote_ttft(advert: dict, tokens: float, unseen: list[float] = ()) -> float 
     ahead = list(advert.get("ahead") or ())
     if not ahead:
         return None
-    for t in unseen:  # greedy: each unseen forward landed on the least-loaded replica
-        i = min(range(len(ahead)), key=ahead.__getitem__)
-        ahead[i] += t
-    return advert["base_s"] + advert["per_token_s"] * (min(ahead) + tokens)
+    return advert["base_s"] + advert["per_token_s"] * (min(land_on_least(ahead, unseen)) + tokens)
+
+
+def land_on_least(values: list[float], adds: Iterable[float]) -> list[float]:
+    """`values` (a peer's replicas' work ahead, or loads) after each of `adds` landed, in
+    order, on the least of them, as the peer's own routing would place our forwards its
+    status has not counted yet (greedy). Changes and returns `values`."""
+    for add in adds:
+        i = min(range(len(values)), key=values.__getitem__)
+        values[i] += add
+    return values
 
 
 def parse_advert(doc: object, limit: int = 16) -> dict | None:

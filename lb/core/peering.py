@@ -21,9 +21,9 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from lb.core.backlog import forward_cost, parse_advert, remote_ttft
+from lb.core.backlog import forward_cost, land_on_least, parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
 from lb.core.prefix import request_chain, uncached_tokens
 from lb.core.types import ReplicaView, RequestFacts
@@ -230,11 +230,7 @@ class PeerStatus:
         loads = min((list(a["load"]) for a in adverts if a.get("load")), key=min, default=None)
         if not loads:
             return None
-        for _, m, _ in self.unseen:
-            if m == model or not model:
-                i = min(range(len(loads)), key=loads.__getitem__)
-                loads[i] += 1
-        return min(loads)
+        return min(land_on_least(loads, [1 for _, m, _ in self.unseen if m == model or not model]))
 
     def record_failure(self, now: float) -> None:
         self.healthy = False
@@ -407,6 +403,17 @@ def holder_peer(req: RequestFacts, region: str, *, peers: Sequence[tuple[PeerCon
     return PeerDecision("wait")
 
 
+def open_peers(req: RequestFacts, peers: Sequence[tuple[PeerConfig, PeerStatus]], *, tau: int, now: float,
+               stale_s: float, exclude: frozenset[str]) -> Iterator[tuple[PeerConfig, PeerStatus]]:
+    """The peers that may take a request a local replica would take (`predicted_peer`,
+    `lighter_peer`): not already failed on, serving its model, queue at most τ, fresh. The
+    residency tag is each caller's last check, so it reports only the peers it ruled out."""
+    for pc, st in peers:
+        if (st.region not in exclude and st.serves(req.model) and st.queue_len <= tau
+                and peer_fresh(st, now=now, stale_s=stale_s)):
+            yield pc, st
+
+
 def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
                    peers: Sequence[tuple[PeerConfig, PeerStatus]], router: PeerRouter, tau: int, now: float,
                    stale_s: float, margin_s: float = 0.0, exclude: frozenset[str] = frozenset(),
@@ -425,9 +432,8 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
         return PeerDecision("local")
     tokens = max(1, req.prompt_tokens)
     candidates, blocked = [], []
-    for pc, st in peers:
-        if (st.region in exclude or st.rtt_s is None or not st.serves(req.model) or st.queue_len > tau
-                or not peer_fresh(st, now=now, stale_s=stale_s)):
+    for pc, st in open_peers(req, peers, tau=tau, now=now, stale_s=stale_s, exclude=exclude):
+        if st.rtt_s is None:
             continue
         remote = st.predict_ttft(req.model, remote_tokens.get(st.region, tokens) if remote_tokens else tokens)
         if remote is None:
@@ -441,6 +447,12 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
         candidates.append(st)
     region = router.choose(req, candidates, now)
     return PeerDecision("peer" if region else "local", region, tuple(blocked))
+
+
+def may_lighten(local_load: float, share: float) -> bool:
+    """Could `lighter_peer` move anything off a local replica carrying `local_load`? (A cheap
+    precondition: a caller skips reading its peers when not.)"""
+    return share > 0 and local_load >= MIN_LIGHTER_GAP
 
 
 def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[PeerConfig, PeerStatus]],
@@ -467,14 +479,11 @@ def lighter_peer(req: RequestFacts, local_load: float, *, peers: Sequence[tuple[
     carries its replicas' loads, and that the request's residency tag allows; the lightest of
     those takes it (the peer router's prefix and region-wide load say nothing for a request
     new to every region)."""
-    if req.hops >= 1 or share <= 0 or local_load < MIN_LIGHTER_GAP:
+    if req.hops >= 1 or not may_lighten(local_load, share):
         return PeerDecision("local")
     candidates: dict[str, float] = {}  # region → its least load
     blocked = []
-    for pc, st in peers:
-        if (st.region in exclude or not st.serves(req.model) or st.queue_len > tau
-                or not peer_fresh(st, now=now, stale_s=stale_s)):
-            continue
+    for pc, st in open_peers(req, peers, tau=tau, now=now, stale_s=stale_s, exclude=exclude):
         least = st.least_load(req.model)
         if least is None or least > share * local_load or least > local_load - MIN_LIGHTER_GAP:
             continue

@@ -63,8 +63,8 @@ from typing import Iterable, Protocol, Sequence
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
-from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, MIN_LIGHTER_GAP, PeerConfig, PeerDecision, PeerRouter,
-                             PeerStatus, holder_peer, lighter_peer, local_or_peer, peer_available, predicted_peer)
+from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
+                             holder_peer, lighter_peer, local_or_peer, may_lighten, peer_available, predicted_peer)
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
@@ -512,10 +512,10 @@ class Scheduler:
         least-loaded replica carries at most `lighter_share` of `target`'s load takes it
         instead (`lb.core.peering.lighter_peer`; None: stay local)."""
         here = load(target.view)
-        if peers.lighter_share <= 0 or here < MIN_LIGHTER_GAP:
+        if not may_lighten(here, peers.lighter_share):
             return None
-        d = self.policy.last
-        if d.total_blocks and d.matched_blocks >= self.cfg.affinity.min_gain * d.total_blocks:
+        chosen = self.policy.last
+        if chosen.total_blocks and chosen.matched_blocks >= self.cfg.affinity.min_gain * chosen.total_blocks:
             return None  # its context is cached here: it stays with it
         usable, exclude = self._usable_peers(entry, peers)
         d = lighter_peer(entry.facts, here, peers=[(p.config, p.status) for p in usable], tau=peers.tau, now=now,
