@@ -179,11 +179,11 @@ def test_wsc_does_not_lift_a_user_between_stages_of_an_interaction_and_ties_go_t
     assert svc.get("benign") == svc.get("flood") and q.peek(12.0).facts.request_id == "c0"
 
 
-def test_wsc_decayed_standing_serves_a_returning_bursty_tenant_ahead_of_a_flood_for_a_bounded_burst():
-    """The default (half-life) rule: a tenant that used less than the flood recently is not
-    lifted to the flood's counter when it comes back, so its whole burst goes first (the
-    cumulative rule would split it 50/50 with the flood); its credit is bounded: once its
-    recent service passes the flood's it alternates again."""
+def test_wsc_places_a_returning_bursty_tenant_below_a_flood_by_what_it_used_less_recently():
+    """The default (half-life) rule: a tenant coming back is placed below the flood's counter
+    by how much less it was served lately, not lifted to it, so that much of its burst goes
+    first (the cumulative rule would split it 50/50 with the flood); its credit is bounded:
+    once it has had that much it alternates with the flood."""
     svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=10.0)
     q = make_queue("wsc", service=svc)
     for i in range(40):
@@ -191,15 +191,60 @@ def test_wsc_decayed_standing_serves_a_returning_bursty_tenant_ahead_of_a_flood_
     for k in range(20):  # the flood alone for 20 s: 1 unit a second
         assert q.pop(float(k)).facts.user == "flood"
         svc.complete(entry(f"f{k}", user="flood").facts, input_tokens=1, output_tokens=0)
+    flood_recent = svc.recent("flood", 20.0)  # 20 units decayed: about 10/ln 2 · (1 − 2^-2) ≈ 11
+    assert 10 < flood_recent < 12
     for i in range(20):  # a burst of 20 calls from a tenant idle until now
         q.push(entry(f"b{i}", t=20, user="burst", prompt_tokens=1))
-    assert svc.get("burst") == 0.0  # not lifted
-    flood_recent = svc.standing("flood", 20.0)  # 20 units decayed: about 10/ln 2 · (1 − 2^-2) ≈ 11
-    assert 10 < flood_recent < 12
+    assert svc.get("burst") == pytest.approx(svc.get("flood") - flood_recent)
     served = [q.pop(20.0 + 0.001 * k).facts.user for k in range(30)]
     leading = served.index("flood")
-    assert leading == int(flood_recent) + 1  # ahead while its recent service is below the flood's
+    assert leading == int(flood_recent) + 1  # ahead for what it used less than the flood lately
     assert served[leading:].count("flood") >= 8  # then they alternate: the credit was bounded
+
+
+def test_wsc_places_a_newcomer_with_the_least_recently_served_active_user_not_at_zero():
+    """Where new users keep arriving, a newcomer banks only what the least-served active user
+    had lately: users active longer than that are not passed over by every newcomer (the
+    rule before ranked by decayed service, which falls to 0 for everyone, so under overload
+    each newcomer started ahead of every interaction under way)."""
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=10.0)
+    q = make_queue("wsc", service=svc)
+    for i in range(30):  # a wide tree: its calls keep it active
+        q.push(entry(f"w{i}", t=0, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=i and 1))
+    for k in range(10):
+        assert q.pop(float(k)).facts.user == "wide"
+    # 100 s later the wide tree still waits; a light tree started 3 s ago has had 3 calls
+    for k in range(3):  # (served where nothing else waited, say another LB's replica)
+        done = entry(f"l{k}", t=97 + k, user="light", prompt_tokens=1).facts
+        svc.charge(done), svc.complete(done, input_tokens=1, output_tokens=0)
+    q.push(entry("l3", t=100, user="light", prompt_tokens=1, interaction_id="t-l", interaction_stage=3))
+    wide_recent, light_recent = svc.recent("wide", 100.0), svc.recent("light", 100.0)
+    assert wide_recent < light_recent  # the wide tree's service was long ago (its last call counts from the last look)
+    q.push(entry("n0", t=100, user="new", prompt_tokens=1, interaction_id="t-n", interaction_stage=0))
+    least = min(svc.get("wide"), svc.get("light"))
+    # placed below the least active counter by the least recent service among the active (the
+    # wide tree's), not at 0 below everyone: it ranks with them, not ahead of them all
+    assert svc.get("new") == pytest.approx(least - wide_recent)
+    order = [q.pop(100.0 + 0.001 * k).facts.user for k in range(6)]
+    assert order.index("wide") <= 2
+
+
+def test_a_user_coming_back_after_heavy_use_long_ago_is_not_held_to_its_old_counter():
+    """Placement lowers as well as raises: a tenant's heavy use of an hour ago is forgiven with
+    the decay (VTC's lift only raises, so its old counter would keep it behind newer users)."""
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=60.0)
+    q = make_queue("wsc", service=svc)
+    for i in range(100):
+        q.push(entry(f"o{i}", t=0, user="old", prompt_tokens=1))
+    while (e := q.pop(1.0)) is not None:
+        svc.complete(e.facts, input_tokens=1, output_tokens=0)
+    for i in range(5):
+        q.push(entry(f"a{i}", t=3600, user="active", prompt_tokens=1))
+    for k in range(3):
+        q.pop(3600.0 + k)
+    q.push(entry("o100", t=3603, user="old", prompt_tokens=1))
+    assert svc.get("old") < svc.get("active")  # not 100 units behind
+    assert q.pop(3603.0).facts.user == "old"
 
 
 def test_vtc_keeps_the_papers_cumulative_counters_and_lift():
