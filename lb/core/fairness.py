@@ -46,7 +46,7 @@ class WscConfig:
     default_output_tokens: int = 256  # charged at dispatch until lengths are learned
     # > 0: a tenant coming back is placed among the active ones by its service of the last few
     # half-lives (s), so it banks what it used less than they did recently, and no more;
-    # 0: VTC's lift to the least active counter (the papers' rule). See `WeightedService.lift`.
+    # 0: VTC's lift to the least active counter (the papers' rule). See `WeightedService.place`.
     half_life_s: float = 60.0
 
 
@@ -264,7 +264,7 @@ class WeightedService:
 
     Queue orders rank users by `standing`, the counter: while users are active they are served
     in virtual time (VTC), each backlogged user at the same weighted rate. What idle time is
-    worth is decided once, when a user becomes active (`lift`). VTC raises it to the least
+    worth is decided once, when a user becomes active (`place`). VTC raises it to the least
     active counter, banking nothing: that let an abuser hurt bursty honest tenants, each of
     which came back to the abuser's counter and split the engine 50/50 with it for the whole
     burst, however little it had used before. With `half_life_s > 0` (the default) it is
@@ -295,7 +295,7 @@ class WeightedService:
         return self.counters.get(user, 0.0)
 
     def standing(self, user: str, now: float) -> float:
-        """What queue orders rank `user` by (least first): its counter, as `lift` placed it when
+        """What queue orders rank `user` by (least first): its counter, as `place` set it when
         it last became active. Ranking also brings its recent service up to `now`, so a user
         with work queued has it current when another comes back."""
         if self.cfg.half_life_s > 0:
@@ -303,9 +303,10 @@ class WeightedService:
         return self.get(user)
 
     def recent(self, user: str, now: float) -> float:
-        """`user`'s service decayed with the half-life to `now` (lifts left out). It follows the
-        counter's growth, including totals adopted from a shared store (several LBs), so it
-        needs no clock at charge time: growth since the last look is added, then decay runs."""
+        """`user`'s service decayed with the half-life to `now`, this LB's placements left out.
+        It follows the counter's growth, including totals adopted from a shared store (several
+        LBs; there another LB's placement of the user counts as service), so it needs no
+        clock at charge time: growth since the last look is added, then decay runs."""
         counter = self.get(user)
         decayed, at, seen = self._recent.get(user, (0.0, now, 0.0))
         value = decayed * 0.5 ** (max(0.0, now - at) / self.cfg.half_life_s) + (counter - seen)
@@ -351,7 +352,7 @@ class WeightedService:
         self.outputs.observe(key, output_tokens, (facts.app, 0))
         return actual - charged
 
-    def lift(self, user: str, active: Sequence[str], now: float) -> None:
+    def place(self, user: str, active: Sequence[str], now: float) -> None:
         """Place a user becoming active among the `active` ones. With `half_life_s = 0`, VTC's
         rule: raise its counter to the least active counter, banking no idle time. Otherwise
         it goes that far above (or below) the least active counter as its recent service is

@@ -327,7 +327,7 @@ def mid_interaction(facts: RequestFacts, now: float) -> bool:
 class WSCQueue(_MembershipQueue):
     """Least-served user first; within a user, calls of interactions in progress first, then
     FIFO. Users rank by `WeightedService.standing`, their counters; a user becoming active is
-    placed among the active ones when it pushes (`WeightedService.lift`: by its recent
+    placed among the active ones when it pushes (`WeightedService.place`: by its recent
     service, or with `half_life_s = 0`, the papers' rule, at the least active counter) —
     unless the call continues an interaction in progress: a user between the stages of an
     interaction is not idle, and placing it again would hand the interaction's next stage to
@@ -348,7 +348,7 @@ class WSCQueue(_MembershipQueue):
         user = self.service.user_of(entry.facts)
         if user not in self._by_user:
             if not self.service.is_active(user) and not self.in_progress(entry.facts, entry.enqueued_at):
-                self.service.lift(user, [*self._by_user, *self.service.inflight], entry.enqueued_at)
+                self.service.place(user, [*self._by_user, *self.service.inflight], entry.enqueued_at)
             self._by_user[user] = {}
         mine = self._by_user[user]
         last = next(reversed(mine), None)
