@@ -254,6 +254,10 @@ class InteractionLedger:
 
 # ---------------------------------------------------------------- WSC / VTC
 
+# Idle tenants `WeightedService` remembers (as the in-process store keeps 100,000 counters):
+# OpenAI's `user` names end users, so the tenants one LB sees have no bound of their own.
+IDLE_KEPT = 100_000
+
 
 class WeightedService:
     """Per-user service counters (FairServe WSC; VTC when `weighted` is False).
@@ -273,8 +277,13 @@ class WeightedService:
     service, and no more (docs/fairness.md has the simulator's evidence for both).
     """
 
-    def __init__(self, cfg: WscConfig | None = None):
+    def __init__(self, cfg: WscConfig | None = None, *, idle_kept: int | None = IDLE_KEPT):
         self.cfg = cfg or WscConfig()
+        # Tenants with nothing under way kept for their next placement; beyond this many the
+        # least recently served are forgotten (`place`). None: every tenant ever seen is kept
+        # (a store shared by several LBs: there a forgotten tenant's stored total would come
+        # back on top of its new placement).
+        self.idle_kept = idle_kept if self.cfg.half_life_s > 0 else None
         seeds = {}
         for app, stages in self.cfg.stage_weights.items():
             for stage, w in stages.items():
@@ -380,6 +389,20 @@ class WeightedService:
         self._add(user, move)
         decayed, at, seen = self._recent[user]
         self._recent[user] = (decayed, at, seen + move)  # a placement is not service
+        if self.idle_kept is not None and len(self.counters) > 2 * self.idle_kept:
+            self._forget_idle({user, *others}, now)
+
+    def _forget_idle(self, active: set[str], now: float) -> None:
+        """Forget the tenants with nothing under way, least recent service first, down to
+        `idle_kept`. Placement reads only a tenant's recent service, so one forgotten comes
+        back as one that used next to nothing lately (the least served are forgotten first).
+        Its counter is taken back from the store too (a delta of minus what it holds), or the
+        next sync would add the old total to its new placement."""
+        idle = [u for u in self.counters if u not in active and u not in self.inflight]
+        idle.sort(key=lambda u: self.recent(u, now))
+        for u in idle[:max(0, len(self.counters) - self.idle_kept)]:
+            self._deltas[u] = self._deltas.get(u, 0.0) - self.counters.pop(u)
+            self._recent.pop(u, None)
 
     def is_active(self, user: str) -> bool:
         return self.inflight.get(user, 0) > 0

@@ -342,3 +342,40 @@ def test_orders_keep_every_entry_exactly_once_and_peek_is_the_head(name, ops):
         assert len(q) == len(queued)
         assert {id(e) for e in q.iter_in_order(150.0)} == {id(e) for e in queued}
     assert len({id(e) for e in out}) == len(out)
+
+
+def test_idle_tenants_are_forgotten_beyond_the_bound_and_come_back_placed_as_new():
+    """OpenAI's `user` names end users: an LB that never forgot one would grow without bound.
+    Beyond `idle_kept` the least recently served idle tenants are forgotten, their totals
+    taken back from the store, so one coming back is placed as a newcomer, not on top of its
+    old total."""
+    svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0), idle_kept=3)
+    store: dict[str, float] = {}
+
+    def sync() -> None:  # what the daemon's sync round does with its store
+        for u, d in svc.drain_deltas().items():
+            store[u] = store.get(u, 0.0) + d
+        svc.set_counters({u: store[u] for u in svc.counters if u in store})
+
+    q = make_queue("wsc", service=svc)
+    q.push(entry("b0", t=0, user="busy", prompt_tokens=1))
+    for i in range(1, 40):
+        q.push(entry(f"b{i}", t=0, user="busy", prompt_tokens=1))  # busy stays active throughout
+    for k in range(8):  # eight one-call tenants, one a second, each served and gone
+        q.push(entry(f"u{k}", t=k, user=f"u{k}", prompt_tokens=1 + k))
+        while (e := q.pop(float(k))).facts.user == "busy":
+            svc.complete(e.facts, input_tokens=1, output_tokens=0)
+        svc.complete(e.facts, input_tokens=1 + k, output_tokens=0)
+        sync()
+    assert len(svc.counters) <= 2 * 3 + 1  # never more than twice the bound (and the one placed)
+    forgotten = [f"u{k}" for k in range(8) if f"u{k}" not in svc.counters]
+    assert forgotten and "busy" in svc.counters
+    assert all(store[u] == pytest.approx(0.0) for u in forgotten)  # taken back from the store
+    kept = [f"u{k}" for k in range(8) if f"u{k}" in svc.counters]
+    assert min(map(int, (u[1:] for u in kept))) > max(map(int, (u[1:] for u in forgotten)))  # the latest kept
+    back = forgotten[0]
+    q.push(entry("again", t=8, user=back, prompt_tokens=1))
+    placed = svc.get(back)
+    sync()
+    assert svc.get(back) == pytest.approx(placed)  # the next sync adds no old total to it
+    assert placed == pytest.approx(svc.get("busy") - svc.recent("busy", 8.0))  # placed as a newcomer
