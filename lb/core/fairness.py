@@ -280,9 +280,8 @@ class WeightedService:
     def __init__(self, cfg: WscConfig | None = None, *, idle_kept: int | None = IDLE_KEPT):
         self.cfg = cfg or WscConfig()
         # Tenants with nothing under way kept for their next placement; beyond this many the
-        # least recently served are forgotten (`place`). None: every tenant ever seen is kept
-        # (a store shared by several LBs: there a forgotten tenant's stored total would come
-        # back on top of its new placement).
+        # least recently served are forgotten (`place`). None, and always for VTC's rule (which
+        # needs every counter): every tenant ever seen is kept.
         self.idle_kept = idle_kept if self.cfg.half_life_s > 0 else None
         seeds = {}
         for app, stages in self.cfg.stage_weights.items():
@@ -295,6 +294,7 @@ class WeightedService:
         self.inflight: dict[str, int] = {}
         self._charged: dict[str, tuple[str, float]] = {}  # request id → (user, amount)
         self._deltas: dict[str, float] = {}  # since the last drain, for a shared store
+        self._claims: set[str] = set()  # placed before this LB knew their stored totals
 
     @staticmethod
     def user_of(facts: RequestFacts) -> str:
@@ -384,6 +384,8 @@ class WeightedService:
             if self.get(user) < floor:
                 self._add(user, floor - self.get(user))
             return
+        if user not in self.counters:
+            self._claims.add(user)
         mine = self.recent(user, now)
         move = floor + mine - min(self.recent(u, now) for u in others) - self.get(user)
         self._add(user, move)
@@ -395,13 +397,12 @@ class WeightedService:
     def _forget_idle(self, active: set[str], now: float) -> None:
         """Forget the tenants with nothing under way, least recent service first, down to
         `idle_kept`. Placement reads only a tenant's recent service, so one forgotten comes
-        back as one that used next to nothing lately (the least served are forgotten first).
-        Its counter is taken back from the store too (a delta of minus what it holds), or the
-        next sync would add the old total to its new placement."""
+        back as one that used next to nothing lately (the least served are forgotten first),
+        and its placement then overrides its stored total (`set_counters`)."""
         idle = [u for u in self.counters if u not in active and u not in self.inflight]
         idle.sort(key=lambda u: self.recent(u, now))
         for u in idle[:max(0, len(self.counters) - self.idle_kept)]:
-            self._deltas[u] = self._deltas.get(u, 0.0) - self.counters.pop(u)
+            del self.counters[u]
             self._recent.pop(u, None)
 
     def is_active(self, user: str) -> bool:
@@ -418,9 +419,18 @@ class WeightedService:
             self._deltas[user] = self._deltas.get(user, 0.0) + delta
 
     def set_counters(self, totals: dict[str, float]) -> None:
-        """Adopt totals read back from a shared store (changes since the drain are kept)."""
+        """Adopt totals read back from a shared store (changes since the drain are kept). A
+        tenant this LB placed before it knew its stored total (first seen here, or forgotten)
+        keeps its placement and the store is corrected to it: adopted, the total other LBs
+        had given it, ever, would sit on top of the placement, and in virtual time nothing
+        decays it (a tenant moving between LBs would wait behind everyone)."""
         for user, total in totals.items():
-            self.counters[user] = total + self._deltas.get(user, 0.0)
+            if user in self._claims:
+                stored = total + self._deltas.get(user, 0.0)
+                self._deltas[user] = self._deltas.get(user, 0.0) + self.counters.get(user, 0.0) - stored
+            else:
+                self.counters[user] = total + self._deltas.get(user, 0.0)
+        self._claims.clear()
 
     def _add(self, user: str, amount: float) -> None:
         self.counters[user] = self.get(user) + amount

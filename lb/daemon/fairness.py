@@ -10,7 +10,7 @@ from typing import Mapping
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from lb.core.admission import ServiceRate
-from lb.core.fairness import (IDLE_KEPT, VTC_CONFIG, InteractionLedger, OverloadDetector, WeightedService, rate_limits,
+from lb.core.fairness import (VTC_CONFIG, InteractionLedger, OverloadDetector, WeightedService, rate_limits,
                               throttle_decision)
 from lb.core.identity import IdentityError, parse_identity
 from lb.core.queueing import make_queue
@@ -19,7 +19,7 @@ from lb.core.types import RequestFacts
 from lb.daemon.budgets import Budgets
 from lb.daemon.errors import LBError
 from lb.daemon.metrics import LATENCY_BUCKETS
-from lb.daemon.state import MemoryStore, make_store
+from lb.daemon.state import make_store
 
 
 class Fairness:
@@ -28,8 +28,7 @@ class Fairness:
         self.store = make_store(cfg.state)
         self.ledger = InteractionLedger(cfg.fairness.interaction_ttl_s)
         wsc = cfg.fairness.wsc if cfg.queue.order != "vtc" else VTC_CONFIG
-        # one LB's own counters: idle tenants may be forgotten (bounded); shared: all kept
-        self.service = WeightedService(wsc, idle_kept=IDLE_KEPT if isinstance(self.store, MemoryStore) else None)
+        self.service = WeightedService(wsc)
         self.overload = OverloadDetector.from_config(cfg.fairness)
         self.throttled = 0
         self.rate = ServiceRate(cfg.admission.service_tps)  # learned tokens/s the region completes

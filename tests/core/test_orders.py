@@ -346,9 +346,9 @@ def test_orders_keep_every_entry_exactly_once_and_peek_is_the_head(name, ops):
 
 def test_idle_tenants_are_forgotten_beyond_the_bound_and_come_back_placed_as_new():
     """OpenAI's `user` names end users: an LB that never forgot one would grow without bound.
-    Beyond `idle_kept` the least recently served idle tenants are forgotten, their totals
-    taken back from the store, so one coming back is placed as a newcomer, not on top of its
-    old total."""
+    Beyond `idle_kept` the least recently served idle tenants are forgotten; one coming back is
+    placed as a newcomer, and its placement, not its old stored total, is what the store ends
+    up with."""
     svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0), idle_kept=3)
     store: dict[str, float] = {}
 
@@ -370,12 +370,46 @@ def test_idle_tenants_are_forgotten_beyond_the_bound_and_come_back_placed_as_new
     assert len(svc.counters) <= 2 * 3 + 1  # never more than twice the bound (and the one placed)
     forgotten = [f"u{k}" for k in range(8) if f"u{k}" not in svc.counters]
     assert forgotten and "busy" in svc.counters
-    assert all(store[u] == pytest.approx(0.0) for u in forgotten)  # taken back from the store
     kept = [f"u{k}" for k in range(8) if f"u{k}" in svc.counters]
     assert min(map(int, (u[1:] for u in kept))) > max(map(int, (u[1:] for u in forgotten)))  # the latest kept
     back = forgotten[0]
     q.push(entry("again", t=8, user=back, prompt_tokens=1))
     placed = svc.get(back)
-    sync()
-    assert svc.get(back) == pytest.approx(placed)  # the next sync adds no old total to it
+    assert store[back] > 0  # its old total is still in the store
+    sync(), sync()
+    assert svc.get(back) == pytest.approx(placed) == pytest.approx(store[back])  # the placement stands
     assert placed == pytest.approx(svc.get("busy") - svc.recent("busy", 8.0))  # placed as a newcomer
+
+
+def test_a_tenant_new_to_one_lb_keeps_its_placement_there_not_the_total_others_gave_it():
+    """Several LBs share counters through a store. A tenant the other LB served for a long time
+    first comes to this one: its placement here stands, and the store follows it; adopting the
+    stored total would put everything it was ever served on top of the placement, and in
+    virtual time nothing decays that, so it would wait behind every other tenant."""
+    store: dict[str, float] = {}
+
+    def sync(svc: WeightedService) -> None:
+        for u, d in svc.drain_deltas().items():
+            store[u] = store.get(u, 0.0) + d
+        svc.set_counters({u: store[u] for u in svc.counters if u in store})
+
+    cfg = WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0)
+    a, b = WeightedService(cfg), WeightedService(cfg)
+    qa, qb = make_queue("wsc", service=a), make_queue("wsc", service=b)
+    for i in range(50):  # LB a serves alice 50 units over the first 50 s
+        qa.push(entry(f"a{i}", t=i, user="alice", prompt_tokens=1))
+        a.complete(qa.pop(float(i)).facts, input_tokens=1, output_tokens=0)
+    sync(a)
+    assert store["alice"] == 50.0
+    for i in range(3):  # meanwhile bob has work under way at LB b
+        qb.push(entry(f"b{i}", t=1000, user="bob", prompt_tokens=1))
+    qb.pop(1000.0)
+    sync(b)
+    qb.push(entry("a50", t=1001, user="alice", prompt_tokens=1))  # alice, idle 950 s, comes to b
+    placed = b.get("alice")
+    assert placed <= b.get("bob")  # her service was long ago: she ranks with bob, not 50 behind
+    sync(b), sync(b)
+    assert b.get("alice") == pytest.approx(placed) == pytest.approx(store["alice"])
+    assert qb.pop(1001.0).facts.user == "alice"
+    sync(a)
+    assert a.get("alice") == pytest.approx(store["alice"])  # and the other LB follows the store
