@@ -6,10 +6,11 @@ Pure: rate-window counts come from the shared-state store (the daemon calls
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .ewma import EwmaTable
 from .types import RequestFacts
@@ -257,6 +258,10 @@ class InteractionLedger:
 # Idle tenants `WeightedService` remembers (as the in-process store keeps 100,000 counters):
 # OpenAI's `user` names end users, so the tenants one LB sees have no bound of their own.
 IDLE_KEPT = 100_000
+# Active tenants a placement reads, the most recently active first: the newest are the least
+# served lately and were themselves placed near the least counter. Reading all of them cost
+# 0.77 ms per placement with 1,000 active tenants and 10 ms with 10,000 (each one's decay).
+PLACE_SCAN = 64
 
 
 class WeightedService:
@@ -361,13 +366,14 @@ class WeightedService:
         self.outputs.observe(key, output_tokens, (facts.app, 0))
         return actual - charged
 
-    def place(self, user: str, active: Sequence[str], now: float) -> None:
-        """Place a user becoming active among the `active` ones. With `half_life_s = 0`, VTC's
-        rule: raise its counter to the least active counter, banking no idle time. Otherwise
-        it goes that far above (or below) the least active counter as its recent service is
-        above (or below) the least recent service among them: a tenant back from a pause banks
-        what it used less than they did lately (the decay bounds it), a new one no more than
-        the least-served active user has had lately.
+    def place(self, user: str, active: Iterable[str], now: float) -> None:
+        """Place a user becoming active among the `active` ones (the most recently active
+        first). With `half_life_s = 0`, VTC's rule: raise its counter to the least active
+        counter, banking no idle time. Otherwise it goes that far above (or below) the least
+        active counter as its recent service is above (or below) the least recent service
+        among them (the first `PLACE_SCAN` of them): a tenant back from a pause banks what it
+        used less than they did lately (the decay bounds it), a new one no more than the
+        least-served active user has had lately.
 
         Why not rank by the decayed service itself (the rule before): every standing then
         decays to 0, so a newcomer ranks ahead of every user with work under way. Where new
@@ -376,11 +382,12 @@ class WeightedService:
         (Mixed Tree at 1.3x for 600 s, seed 0: TTFT p90 148 s, the 4-branch trees' calls
         213 s; placed by recent service instead 7 s and 60.4 req/s against 56.7,
         docs/fairness.md)."""
-        others = [u for u in active if u != user]
+        vtc = self.cfg.half_life_s <= 0
+        others = [u for u in (active if vtc else itertools.islice(active, PLACE_SCAN)) if u != user]
         if not others:
             return
         floor = min(self.get(u) for u in others)
-        if self.cfg.half_life_s <= 0:
+        if vtc:
             if self.get(user) < floor:
                 self._add(user, floor - self.get(user))
             return

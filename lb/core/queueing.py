@@ -348,13 +348,19 @@ class WSCQueue(_MembershipQueue):
         user = self.service.user_of(entry.facts)
         if user not in self._by_user:
             if not self.service.is_active(user) and not self.in_progress(entry.facts, entry.enqueued_at):
-                self.service.place(user, [*self._by_user, *self.service.inflight], entry.enqueued_at)
+                self.service.place(user, self._active_newest_first(), entry.enqueued_at)
             self._by_user[user] = {}
         mine = self._by_user[user]
         last = next(reversed(mine), None)
         mine[entry] = None
         if last is not None and self._seq[entry] < self._seq[last]:  # a retry: back to its arrival place
             self._by_user[user] = dict.fromkeys(sorted(mine, key=self._seq.__getitem__))
+
+    def _active_newest_first(self) -> Iterator[str]:
+        """Users with work queued or running, the most recently active first, queued and
+        running in turn (a placement reads the first few)."""
+        pairs = itertools.zip_longest(reversed(self._by_user), reversed(self.service.inflight))
+        return (u for pair in pairs for u in pair if u is not None)
 
     def remove(self, entry: QueueEntry) -> bool:
         if not super().remove(entry):
