@@ -413,3 +413,27 @@ def test_a_tenant_new_to_one_lb_keeps_its_placement_there_not_the_total_others_g
     assert qb.pop(1001.0).facts.user == "alice"
     sync(a)
     assert a.get("alice") == pytest.approx(store["alice"])  # and the other LB follows the store
+
+
+def test_a_placement_reads_a_bounded_number_of_active_tenants_newest_first():
+    """Placing a tenant must not cost a pass over every active tenant (10 ms with 10,000):
+    it reads the most recently active few, queued and running in turn."""
+    from lb.core.fairness import PLACE_SCAN
+
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=10.0)
+    q = make_queue("wsc", service=svc)
+    for i in range(3 * PLACE_SCAN):  # many tenants with work queued; the newest has the least
+        q.push(entry(f"r{i}", t=0, user=f"u{i}", prompt_tokens=1))
+    read = []
+
+    def counted(users):
+        for u in users:
+            read.append(u)
+            yield u
+
+    svc.place("late", counted(q._active_newest_first()), 1.0)
+    assert len(read) == PLACE_SCAN and read[0] == f"u{3 * PLACE_SCAN - 1}"
+    vtc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=0))
+    read.clear()
+    vtc.place("late", counted(f"u{i}" for i in range(3 * PLACE_SCAN)), 1.0)
+    assert len(read) == 3 * PLACE_SCAN  # VTC's lift stays the papers' rule: every counter
