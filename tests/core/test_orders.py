@@ -346,7 +346,7 @@ def test_orders_keep_every_entry_exactly_once_and_peek_is_the_head(name, ops):
 
 def test_idle_tenants_are_forgotten_beyond_the_bound_and_come_back_placed_as_new():
     """OpenAI's `user` names end users: an LB that never forgot one would grow without bound.
-    Beyond `idle_kept` the least recently served idle tenants are forgotten; one coming back is
+    Beyond `idle_kept` the longest unseen idle tenants are forgotten; one coming back is
     placed as a newcomer, and its placement, not its old stored total, is what the store ends
     up with."""
     svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0), idle_kept=3)
@@ -413,6 +413,17 @@ def test_a_tenant_new_to_one_lb_keeps_its_placement_there_not_the_total_others_g
     assert qb.pop(1001.0).facts.user == "alice"
     sync(a)
     assert a.get("alice") == pytest.approx(store["alice"])  # and the other LB follows the store
+    # a tenant placed while b's sync round is under way (after the drain, before the read-back,
+    # so the round reads no total for it) is still corrected by the next round
+    store["carol"] = 500.0  # what a served her, long ago
+    pushed = b.drain_deltas()
+    qb.push(entry("c0", t=1002, user="carol", prompt_tokens=1))
+    placed = b.get("carol")
+    for u, d in pushed.items():
+        store[u] = store.get(u, 0.0) + d
+    b.set_counters({u: store[u] for u in ("alice", "bob") if u in store})
+    sync(b), sync(b)
+    assert b.get("carol") == pytest.approx(placed) == pytest.approx(store["carol"])
 
 
 def test_a_placement_reads_a_bounded_number_of_active_tenants_newest_first():
