@@ -407,6 +407,8 @@ async def _serve(cfg: Config) -> None:
     if cut:
         log.warning("%d requests outlived the grace period; each was answered shutting_down", cut)
     await runner.cleanup()
+    if app[STATE].proxy.access_log is not None:  # the last iteration's lines
+        app[STATE].proxy.access_log.flush()
 
 
 def serve(cfg: Config) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import sys
 import time
 import itertools
@@ -123,17 +124,41 @@ class Outcome:
 
 class AccessLog:
     """One JSON line per request on stdout: orjson over the whole Outcome (every field, so
-    every line has the same keys; never prompt text) and one write(2). No logging record,
-    formatter or handler lock on the request path. A line is far below PIPE_BUF, so writers
-    sharing the file never interleave inside one."""
+    every line has the same keys; never prompt text). No logging record, formatter or handler
+    lock on the request path. The lines of one loop iteration go out in one write(2) at its
+    end (a syscall per request was 2 % of the proxy's CPU at concurrency 32, profiled), at
+    most PIPE_BUF bytes each, so writers sharing the file never interleave inside a line and
+    a crash loses at most one iteration's lines."""
 
     def __init__(self, fd: int | None = None):
         self.fd = sys.stdout.fileno() if fd is None else fd
+        self._lines: list[bytes] = []
+        self._size = 0
 
     def write(self, out: Outcome) -> None:
         out.ts = round(time.time(), 3)
+        line = orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE)
+        if self._size + len(line) > select.PIPE_BUF:
+            self.flush()
+        if not self._lines:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a caller outside the server): write it now
+                self._write(line)
+                return
+        self._lines.append(line)
+        self._size += len(line)
+
+    def flush(self) -> None:
+        if self._lines:
+            data = b"".join(self._lines)
+            self._lines.clear()
+            self._size = 0
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         try:
-            os.write(self.fd, orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE))
+            os.write(self.fd, data)
         except OSError:  # stdout closed or full: the log must never fail a request
             pass
 
@@ -232,8 +257,11 @@ class Proxy:
         if route.body != JSON:
             return b"", {"model": request.match_info["model"]} if route.model == PATH else {}
         try:
-            async with asyncio.timeout(self.cfg.server.body_timeout_s):  # a trickled body holds a connection
+            if request.content.is_eof():  # all of it arrived with the headers: no timer to arm (profiled)
                 body = await request.read()
+            else:
+                async with asyncio.timeout(self.cfg.server.body_timeout_s):  # a trickled body holds a connection
+                    body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise LBError(413, f"request body exceeds {limit} bytes", code="body_too_large")
         except TimeoutError:
