@@ -38,7 +38,7 @@ from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
 from lb.daemon.surface import add_routes as add_api_routes
-from lb.daemon import tls
+from lb.daemon import gctune, tls
 
 log = logging.getLogger("lb")
 
@@ -393,6 +393,7 @@ async def _serve(cfg: Config) -> None:
     app[STATE].server_tls = server_tls = tls.server_context(s.tls_cert, s.tls_key, s.tls_client_ca)
     listener = await loop.create_server(_limited(runner.server, s.max_connections), s.host, s.port, backlog=2048,
                                         reuse_address=True, ssl=server_tls)
+    gctune.settle(app[STATE].metrics.gc_pause)  # start-up is done: what it made is never garbage
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -39,6 +39,8 @@ def test_counters_model_label_process_metrics_and_removed_replica_series(procs):
     assert not labelled(m, "lb_requests", model="no-such-model")
     # prometheus_client's ProcessCollector
     assert m["process_resident_memory_bytes"][0].value > 0 and "process_cpu_seconds" in m
+    # the collector was settled once the server listened (lb.daemon.gctune): its passes are timed
+    assert {s.labels["generation"] for s in m["lb_gc_pause_seconds"] if s.name.endswith("_count")} == {"0", "1", "2"}
 
     served = {s.labels["target"] for s in labelled(m, "lb_requests", status="200")}
     assert len(served) == 2
