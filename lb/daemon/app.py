@@ -38,7 +38,7 @@ from lb.daemon.probes import Prober
 from lb.daemon.proxy import Proxy
 from lb.daemon.registry import Registry
 from lb.daemon.surface import add_routes as add_api_routes
-from lb.daemon import gctune, tls
+from lb.daemon import gctune, loopwatch, tls
 
 log = logging.getLogger("lb")
 
@@ -394,6 +394,7 @@ async def _serve(cfg: Config) -> None:
     listener = await loop.create_server(_limited(runner.server, s.max_connections), s.host, s.port, backlog=2048,
                                         reuse_address=True, ssl=server_tls)
     gctune.settle(app[STATE].metrics.gc_pause)  # start-up is done: what it made is never garbage
+    lag_watch = loop.create_task(loopwatch.watch(app[STATE].metrics.loop_lag), name="loop-lag")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -407,6 +408,7 @@ async def _serve(cfg: Config) -> None:
     cut = await app[STATE].proxy.drain(cfg.server.shutdown_grace_s)
     if cut:
         log.warning("%d requests outlived the grace period; each was answered shutting_down", cut)
+    lag_watch.cancel()
     await runner.cleanup()
     if app[STATE].proxy.access_log is not None:  # the last iteration's lines
         app[STATE].proxy.access_log.flush()

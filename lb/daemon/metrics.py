@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 PROBE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 OTHER_MODEL = "other"  # lb_requests_total{model}: a model no replica serves (bounded label set)
 NO_MODEL = "none"  # ... a request that named none (SGLang's /generate)
 MAX_CACHED_CHILDREN = 4096  # label sets are bounded already (models bucketed, replicas dropped)
@@ -55,6 +56,9 @@ class Metrics:
         # every garbage-collector pass, timed (lb.daemon.gctune): the event loop waits through each
         self.gc_pause = Histogram("lb_gc_pause_seconds", "Garbage-collector passes in the lb process, by generation",
                                   ["generation"], buckets=GC_BUCKETS, registry=r)
+        self.loop_lag = Histogram("lb_event_loop_lag_seconds",
+                                  "How late the event loop ran a timer due every 50 ms (lb.daemon.loopwatch)",
+                                  buckets=LAG_BUCKETS, registry=r)
         r.register(_ReplicaCollector(views, available))
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, fds
         # metrics labelled by a replica id, and that label's name

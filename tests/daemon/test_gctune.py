@@ -1,6 +1,7 @@
 """`lb.daemon.gctune.settle`: start-up's objects leave every later pass, the young generation
 collects less often, every pass is timed into the histogram, and cycles made afterwards are
-still collected. Run in this process, then undone (freeze, threshold, callback)."""
+still collected (run in this process, then undone: freeze, threshold, callback). And
+`lb.daemon.loopwatch.watch` sees the event loop held."""
 import gc
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -40,3 +41,30 @@ def test_settle_freezes_startup_raises_the_young_threshold_and_times_each_pass()
         gc.unfreeze()
         gc.set_threshold(*before_threshold)
         gc.callbacks[:] = before_callbacks
+
+
+def test_the_loop_watch_sees_a_stall_of_the_event_loop():
+    import asyncio
+    import time
+
+    from lb.daemon import loopwatch
+
+    class Seen:
+        def __init__(self):
+            self.lags = []
+
+        def observe(self, s):
+            self.lags.append(s)
+
+    seen = Seen()
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(loopwatch.watch(seen, interval_s=0.02))
+        await asyncio.sleep(0.1)
+        time.sleep(0.2)  # a callback that holds the loop
+        await asyncio.sleep(0.1)
+        task.cancel()
+
+    asyncio.run(main())
+    assert max(seen.lags) >= 0.2 - 0.02  # the timer due during the stall ran that much late
+    assert len(seen.lags) >= 5

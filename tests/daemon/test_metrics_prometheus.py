@@ -41,6 +41,8 @@ def test_counters_model_label_process_metrics_and_removed_replica_series(procs):
     assert m["process_resident_memory_bytes"][0].value > 0 and "process_cpu_seconds" in m
     # the collector was settled once the server listened (lb.daemon.gctune): its passes are timed
     assert {s.labels["generation"] for s in m["lb_gc_pause_seconds"] if s.name.endswith("_count")} == {"0", "1", "2"}
+    # ...and the event loop's lag is watched (lb.daemon.loopwatch)
+    assert [s.value for s in m["lb_event_loop_lag_seconds"] if s.name.endswith("_count")][0] > 0
 
     served = {s.labels["target"] for s in labelled(m, "lb_requests", status="200")}
     assert len(served) == 2
