@@ -34,10 +34,12 @@ class Fairness:
         self.rate = ServiceRate(cfg.admission.service_tps)  # learned tokens/s the region completes
         self.tenants = TenantStats(cfg.fairness.tenant_labels, cfg.fairness.tenant_half_life_s, LATENCY_BUCKETS)
         self.budgets: Budgets | None = None  # set by attach_budgets when [budgets] sets a limit
+        self.queue = None  # the LB queue, once made (make_queue): whose calls wait, for a sync round
 
     def make_queue(self):
-        return make_queue(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
-                          in_progress=self.ledger.in_progress)
+        self.queue = make_queue(self.cfg.queue.order, tiers=self.cfg.tiers, service=self.service,
+                                in_progress=self.ledger.in_progress)
+        return self.queue
 
     def identify(self, headers: Mapping[str, str], doc: dict, facts: RequestFacts) -> RequestFacts:
         try:
@@ -99,7 +101,8 @@ class Fairness:
             for user, delta in deltas.items():
                 if delta:
                     await self.store.add(f"wsc:{user}", delta)
-            users = list(self.service.counters)
+            waiting = (self.service.user_of(e.facts) for e in self.queue) if self.queue is not None else ()
+            users = self.service.read_back(deltas, waiting)  # bounded: a round must not hold the loop
             totals = await self.store.get_many(f"wsc:{u}" for u in users)
         except Exception:
             self.service.restore_deltas(deltas)

@@ -448,3 +448,30 @@ def test_a_placement_reads_a_bounded_number_of_active_tenants_newest_first():
     read.clear()
     vtc.place("late", counted(f"u{i}" for i in range(3 * PLACE_SCAN)), 1.0)
     assert len(read) == 3 * PLACE_SCAN  # VTC's lift stays the papers' rule: every counter
+
+
+def test_a_sync_round_reads_back_a_bounded_set_and_every_total_in_rotation():
+    """A sync round reads back every tenant while there are few; with many, those it changed,
+    placed unknowing, runs calls for or holds calls of, and `limit` others in rotation: each
+    total is adopted within a rotation, and nothing forgotten comes back through it."""
+    svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0))
+    for i in range(10):
+        svc._add(f"u{i}", 1.0)
+    assert svc.read_back([], limit=20) == [f"u{i}" for i in range(10)]  # few: all, as they are kept
+
+    for i in range(10, 1000):
+        svc._add(f"u{i}", 1.0)
+    svc.drain_deltas()
+    svc.charge(RequestFacts(request_id="r", model="m", user="running", prompt_tokens=5, max_tokens=1))
+    changed = svc.drain_deltas()
+    svc.inflight["u7"] = 1
+    got = svc.read_back(changed, waiting=["u3", "gone-already"], limit=50)
+    assert {"running", "u7", "u3"} <= set(got) and "gone-already" not in got
+    assert len(got) == 3 + 50
+
+    seen: set[str] = set()
+    rounds = 0
+    while not set(svc.counters) <= seen:
+        seen.update(svc.read_back([], limit=50))
+        rounds += 1
+    assert rounds <= len(svc.counters) // 50 + 1  # every total within one rotation
