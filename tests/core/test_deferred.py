@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lb.core.deferred import (DeferredConfig, DeferredQueue, effective_kv_utilization, from_record,
                               to_record)
@@ -107,3 +109,62 @@ def test_a_release_round_hands_out_nothing_while_the_lb_queue_holds_work():
     assert q.release_round(10.0, queued=0, replicas=idle, available=lambda v: False) == []  # nothing would take it
     # a deadline near is released whatever the load
     assert ids(q.release_round(3600.0 - 200.0, queued=5, replicas=idle, available=lambda v: False)) == ["r2"]
+
+
+class _ScanAll(DeferredQueue):
+    """The promotion rule read off every entry, as a round did before: the reference."""
+
+    def _promoted_now(self, now):
+        return [e for e in self.iter_in_order(now) if self.promoted(e, now)]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["push", "push", "remove", "pop", "release"]),
+                          st.floats(0, 50), st.floats(0, 100), st.integers(0, 10 ** 6)), max_size=80))
+@settings(max_examples=150, deadline=None)
+def test_a_round_finds_the_promoted_by_their_heaps_exactly_as_a_full_scan(ops):
+    """Deadline promotions are a prefix of the deadline heap, age promotions of the age heap:
+    a round that reads only those prefixes releases what a scan of every entry releases, in
+    the same order, whatever the pushes (arrival and queueing times apart, as for a job read
+    back from its journal), removals and clock."""
+    tiers = TierConfig(targets={Tier.NIW: TierTarget(10.0, 60.0)})
+    cfg = DeferredConfig(promote_after_s=30.0, deadline_margin_s=20.0)
+    fast, ref = DeferredQueue(cfg, tiers), _ScanAll(cfg, tiers)
+    now, pushed = 0.0, []
+    for i, (op, arrival_ago, step, pick) in enumerate(ops):
+        now += step / 10
+        if op == "push":
+            facts = RequestFacts(request_id=f"r{i}", model="m", tier=Tier.NIW, arrival=now - arrival_ago)
+            entry, twin = QueueEntry(facts, now, i, None), QueueEntry(facts, now, i, None)
+            fast.push(entry), ref.push(twin)
+            pushed.append((entry, twin))
+        elif op == "remove" and pushed:
+            entry, twin = pushed[pick % len(pushed)]
+            assert fast.remove(entry) == ref.remove(twin)
+        elif op == "pop":
+            a, b = fast.pop(now), ref.pop(now)
+            assert (a and a.facts.request_id) == (b and b.facts.request_id)
+        else:
+            util = (pick % 100) / 100
+            got, want = fast.release(now, util), ref.release(now, util)
+            assert [(r.entry.facts.request_id, r.promoted) for r in got] == \
+                   [(r.entry.facts.request_id, r.promoted) for r in want]
+        assert len(fast) == len(ref)
+
+
+def test_a_round_with_nothing_due_looks_at_no_entry_beyond_the_first_of_each_heap():
+    q = DeferredQueue()
+    for i in range(2000):
+        q.push(QueueEntry(RequestFacts(request_id=f"r{i}", model="m", tier=Tier.NIW, arrival=float(i)), float(i), i, None))
+    looked = []
+    q.promoted = lambda e, now: looked.append(e) or False  # the per-entry rule is not consulted
+    q.iter_in_order = lambda now: iter(looked.append("scan") or ())
+    assert q.release(2000.0, 0.9) == [] and looked == []
+
+
+def test_entries_promoted_by_age_leave_in_deadline_order_not_age_order():
+    tiers = TierConfig(targets={Tier.NIW: TierTarget(10.0, 60.0)})
+    q = DeferredQueue(DeferredConfig(promote_after_s=30.0, deadline_margin_s=5.0), tiers)
+    late = QueueEntry(RequestFacts(request_id="late-deadline", model="m", tier=Tier.NIW, arrival=10.0), 0.0)
+    soon = QueueEntry(RequestFacts(request_id="sooner-deadline", model="m", tier=Tier.NIW, arrival=5.0), 1.0)
+    q.push(late), q.push(soon)  # queued in that order (a job read back from its journal keeps its arrival)
+    assert ids(q.release(40.0, 0.9)) == ["sooner-deadline", "late-deadline"]  # both by age, deadlines 65 and 70
