@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from lb.core.fairness import VTC_CONFIG, WeightedService
 from lb.core.tiers import TIER_RANK, TierConfig
@@ -291,7 +291,7 @@ class _MembershipQueue(QueueOrderBase):
     def __contains__(self, entry: QueueEntry) -> bool:
         return entry in self._seq
 
-    def _walk(self, ordered: list[QueueEntry]) -> Iterator[QueueEntry]:
+    def _walk(self, ordered: Iterable[QueueEntry]) -> Iterator[QueueEntry]:
         for entry in ordered:  # the caller may remove while iterating
             if entry in self._seq:
                 yield entry
@@ -401,26 +401,44 @@ class WSCQueue(_MembershipQueue):
         entries = list(self._by_user[user])
         return [e for e in entries if self.in_progress(e.facts, now)] + [e for e in entries if not self.in_progress(e.facts, now)]
 
-    def peek(self, now: float) -> QueueEntry | None:
-        if not self._by_user:
-            return None
+    def _rerank(self, now: float) -> list[tuple[tuple, str]]:
+        """The heap, with the users whose rank changed since the last look re-ranked; its
+        first item is current (stale ones surface and go)."""
         for user in self._changed:
             if user in self._by_user:
-                key = self._rank[user] = self._user_key(user, now)
-                heapq.heappush(self._ranks, (key, user))
+                key = self._user_key(user, now)
+                if self._rank.get(user) != key:
+                    self._rank[user] = key
+                    heapq.heappush(self._ranks, (key, user))
         self._changed.clear()
         ranks = self._ranks
-        while ranks[0][0] != self._rank.get(ranks[0][1]):  # stale: re-ranked or gone since
+        while ranks and ranks[0][0] != self._rank.get(ranks[0][1]):  # re-ranked or gone since
             heapq.heappop(ranks)
         if len(ranks) > 2 * len(self._rank) + 16:  # stale items pile up: keep the heap small
             self._ranks = ranks = [(k, u) for u, k in self._rank.items()]
             heapq.heapify(ranks)
-        entries = self._by_user[ranks[0][1]]
+        return ranks
+
+    def peek(self, now: float) -> QueueEntry | None:
+        if not self._by_user:
+            return None
+        entries = self._by_user[self._rerank(now)[0][1]]
         return next((e for e in entries if self.in_progress(e.facts, now)), next(iter(entries)))
 
     def iter_in_order(self, now: float) -> Iterator[QueueEntry]:
-        return self._walk([e for u in sorted(self._by_user, key=lambda u: self._user_key(u, now))
-                           for e in self._user_entries(u, now)])
+        """Users in rank order, popped lazily from a copy of the heap: a pass that looks at the
+        first few (the affinity window) pays O(log n) for each, not a sort of every user."""
+        ranks = list(self._rerank(now))
+
+        def users() -> Iterator[str]:
+            seen = set()  # a key left and taken again leaves two items alike
+            while ranks:
+                key, user = heapq.heappop(ranks)
+                if self._rank.get(user) == key and user not in seen:
+                    seen.add(user)
+                    yield user
+
+        return self._walk(e for u in users() for e in self._user_entries(u, now))
 
 
 class VTCQueue(WSCQueue):

@@ -1,6 +1,8 @@
 """Every fair/SLO order on hand-built queues with a fake clock, plus properties."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -477,7 +479,7 @@ def test_a_sync_round_reads_back_a_bounded_set_and_every_total_in_rotation():
     assert rounds <= len(svc.counters) // 50 + 1  # every total within one rotation
 
 
-def test_a_peek_re_ranks_only_the_users_whose_rank_changed():
+def test_a_pass_re_ranks_only_the_users_whose_rank_changed():
     """With many users queued, a placement re-ranks the user it charged (and any the service
     or the queue changed), not every user queued; and the head is still the least-served."""
     svc = WeightedService(WscConfig(default_weight=1.0, default_output_tokens=0, half_life_s=10.0))
@@ -492,8 +494,12 @@ def test_a_peek_re_ranks_only_the_users_whose_rank_changed():
     q.dispatch(head)
     nxt = q.peek(1.0)
     assert ranked == [svc.user_of(head.facts)] or ranked == []  # its last entry left: nobody re-ranked
+    ahead = list(itertools.islice(q.walk(1.0), 4))  # a pass reads a few ahead (the affinity window)
+    assert len(ranked) <= 1 and ahead[0] is nxt
     q._user_key = real
-    assert nxt is next(q.iter_in_order(1.0))
+    assert ahead == list(itertools.islice(q.iter_in_order(1.0), 4))
+    assert [e.facts.user for e in ahead] == sorted((e.facts.user for e in q.iter_in_order(1.0)),
+                                                  key=lambda u: q._user_key(u, 1.0))[:4]
 
 
 def test_a_user_with_calls_queued_is_never_forgotten():
