@@ -26,6 +26,7 @@ Orders whose keys move while entries wait (service counters, urgency classes) ov
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import OrderedDict
@@ -298,24 +299,70 @@ class _MembershipQueue(QueueOrderBase):
 
 
 class DPAQueue(_MembershipQueue):
-    """Classes move with `now`, so the order is computed when asked (O(n) peek)."""
+    """Classes move with `now`, but within a tier an entry's class follows its TTFT deadline
+    (slack = deadline - now, the same for all), so each tier is kept sorted by deadline and
+    a class is a slice of it found by bisection: a peek reads a few slice heads, not every
+    entry (ranking every entry cost O(n) per peek and a sort per pass; 4,096 entries queued
+    is `queue.max_len`)."""
 
     name = "dpa"
 
     def __init__(self, tiers: TierConfig | None = None, **_):
         super().__init__()
         self.tiers = tiers or TierConfig()
+        self._by_tier: dict[Tier, list[tuple[float, tuple, QueueEntry]]] = {}  # (deadline, seq, entry), sorted
 
     def _key(self, entry: QueueEntry, now: float) -> tuple:
         deadline = self.tiers.ttft_deadline(entry.facts)
         cls = dpa_class(entry.facts.tier, deadline - now, self.tiers.tau_n_s, self.tiers.tau_p_s)
         return (cls, deadline, self._seq[entry])
 
+    def push(self, entry: QueueEntry) -> None:
+        super().push(entry)
+        bisect.insort(self._by_tier.setdefault(entry.facts.tier, []),
+                      (self.tiers.ttft_deadline(entry.facts), self._seq[entry], entry))
+
+    def remove(self, entry: QueueEntry) -> bool:
+        seq = self._seq.get(entry)
+        if not super().remove(entry):
+            return False
+        items = self._by_tier[entry.facts.tier]
+        del items[bisect.bisect_left(items, (self.tiers.ttft_deadline(entry.facts), seq))]
+        return True
+
+    def _classes(self, now: float) -> list[list[tuple[list, int, int]]]:
+        """Per DPA class, in serving order, the (sorted list, start, end) slices it holds."""
+        t = self.tiers
+        out: list[list[tuple[list, int, int]]] = [[] for _ in range(6)]
+        for tier, items in self._by_tier.items():
+            if not items:
+                continue
+            if tier is Tier.NIW:
+                out[URGENT_N].append((items, 0, len(items)))
+                continue
+            # the first index past each bound, by the very test dpa_class makes
+            severe = bisect.bisect_left(items, True, key=lambda it: it[0] - now >= -t.tau_p_s)
+            expired = bisect.bisect_left(items, True, lo=severe, key=lambda it: it[0] - now >= 0)
+            urgent = bisect.bisect_left(items, True, lo=expired, key=lambda it: it[0] - now >= t.tau_n_s)
+            fast = tier is Tier.IW_F
+            out[SEVERELY_EXPIRED].append((items, 0, severe))
+            out[RECENTLY_EXPIRED].append((items, severe, expired))
+            out[URGENT_F if fast else URGENT_N].append((items, expired, urgent))
+            out[RELAXED_F if fast else RELAXED_N].append((items, urgent, len(items)))
+        return out
+
     def peek(self, now: float) -> QueueEntry | None:
-        return min(self._seq, key=lambda e: self._key(e, now), default=None)
+        for slices in self._classes(now):
+            heads = [items[a] for items, a, b in slices if a < b]
+            if heads:
+                return min(heads, key=lambda it: it[:2])[2]
+        return None
 
     def iter_in_order(self, now: float) -> Iterator[QueueEntry]:
-        return self._walk(sorted(self._seq, key=lambda e: self._key(e, now)))
+        # copies of the slices: the caller may take entries out while it walks
+        merged = (heapq.merge(*(items[a:b] for items, a, b in slices), key=lambda it: it[:2])
+                  for slices in self._classes(now))
+        return self._walk(it[2] for cls in merged for it in cls)
 
 
 def mid_interaction(facts: RequestFacts, now: float) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -520,3 +521,62 @@ def test_a_user_with_calls_queued_is_never_forgotten():
         q.dispatch(e)
         svc.complete(e.facts, 1, 0)
     assert svc.get("waiting") == 5.0 and waits in q  # not forgotten: its counter stands
+
+
+class _DPARankAll(QUEUE_ORDERS["dpa"]):
+    """DPA ranking every entry by its class now, as peek and a pass did before: the reference."""
+
+    def peek(self, now):
+        return min(self._seq, key=lambda e: self._key(e, now), default=None)
+
+    def iter_in_order(self, now):
+        return self._walk(sorted(self._seq, key=lambda e: self._key(e, now)))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["push", "push", "remove", "pop", "walk"]),
+                          st.sampled_from([Tier.IW_F, Tier.IW_N, Tier.NIW]),
+                          st.floats(0, 20), st.integers(0, 10 ** 6)), max_size=60),
+       st.sampled_from([(0.5, math.inf), (0.5, 2.0), (0.0, 0.0), (3.0, 1.0)]))
+@settings(max_examples=200, deadline=None)
+def test_dpa_by_sorted_tiers_orders_exactly_as_ranking_every_entry(ops, taus):
+    """Each tier sorted by TTFT deadline, a class a slice of it: the head and the order of a
+    pass are those of ranking every entry by (class now, deadline, arrival), whatever the
+    pushes, removals, clock and the τn/τp bounds (classes empty or everywhere)."""
+    tiers = TierConfig(targets={Tier.IW_F: TierTarget(1.0, 10.0), Tier.IW_N: TierTarget(4.0, 60.0),
+                                Tier.NIW: TierTarget(30.0, 600.0)}, tau_n_s=taus[0], tau_p_s=taus[1])
+    fast, ref = make_queue("dpa", tiers=tiers), _DPARankAll(tiers=tiers)
+    now, pushed = 0.0, []
+    for i, (op, tier, x, pick) in enumerate(ops):
+        now += x / 4
+        if op == "push":
+            facts = RequestFacts(request_id=f"r{i}", model="m", tier=tier, arrival=now - x)
+            a, b = QueueEntry(facts, now, seq=pick % 5), QueueEntry(facts, now, seq=pick % 5)
+            fast.push(a), ref.push(b)
+            pushed.append((a, b))
+        elif op == "remove" and pushed:
+            a, b = pushed[pick % len(pushed)]
+            assert fast.remove(a) == ref.remove(b)
+        elif op == "pop":
+            a, b = fast.pop(now), ref.pop(now)
+            assert (a and a.facts.request_id) == (b and b.facts.request_id)
+        else:
+            at = now + (pick % 7) - 3  # passes look at other instants too
+            assert [e.facts.request_id for e in fast.iter_in_order(at)] == \
+                   [e.facts.request_id for e in ref.iter_in_order(at)]
+            head, want = fast.peek(at), ref.peek(at)
+            assert (head and head.facts.request_id) == (want and want.facts.request_id)
+
+
+def test_dpa_entries_exactly_on_a_class_bound_rank_as_ranking_every_entry_does():
+    tiers = TierConfig(targets={Tier.IW_F: TierTarget(1.0, 10.0), Tier.IW_N: TierTarget(4.0, 60.0),
+                                Tier.NIW: TierTarget(30.0, 600.0)}, tau_n_s=0.5, tau_p_s=2.0)
+    fast, ref = make_queue("dpa", tiers=tiers), _DPARankAll(tiers=tiers)
+    # TTFT deadlines (arrival + 1 s) at now - tau_p, now, now + tau_n and between, now = 10
+    for i, arrival in enumerate([7.0, 7.5, 9.0, 9.25, 9.5, 10.0]):
+        for q in (fast, ref):
+            q.push(QueueEntry(RequestFacts(request_id=f"b{i}", model="m", tier=Tier.IW_F, arrival=arrival), arrival,
+                              seq=i))
+    for q in (fast, ref):  # an urgent normal call between urgent and relaxed fast ones
+        q.push(QueueEntry(RequestFacts(request_id="n", model="m", tier=Tier.IW_N, arrival=6.2), 6.2, seq=9))
+    assert [e.facts.request_id for e in fast.iter_in_order(10.0)] == \
+           [e.facts.request_id for e in ref.iter_in_order(10.0)] == ["b2", "b3", "n", "b4", "b5", "b0", "b1"]
