@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .tiers import TIER_RANK, TierConfig
 from .types import RequestFacts, Tier
@@ -175,6 +175,32 @@ class ServiceRate:
         if self._busy and self._tokens > 0:
             self.rate += self.alpha * (self._tokens / elapsed - self.rate)
         self._since, self._tokens, self._busy = now, 0.0, busy
+
+
+class QueuedWork:
+    """`tokens_of` summed over a queue, kept as entries come and go, so admission reads the
+    work ahead in O(kinds of call) instead of walking up to `queue.max_len` entries for
+    every arrival: exact token counts (prompt, and `max_tokens` where given) plus, per
+    (app, stage), how many calls wait whose output is the learned estimate, which is read
+    when asked (it moves)."""
+
+    def __init__(self) -> None:
+        self.known = 0  # prompt tokens, and max_tokens where a call gives them
+        self.estimated: dict[tuple, int] = {}  # (app, stage) → calls waiting without max_tokens
+
+    def add(self, facts: RequestFacts, sign: int = 1) -> None:
+        self.known += sign * (facts.prompt_tokens + (facts.max_tokens or 0))
+        if facts.max_tokens is None:
+            key = (facts.app, facts.interaction_stage or 0)
+            n = self.estimated.get(key, 0) + sign
+            if n:
+                self.estimated[key] = n
+            else:
+                self.estimated.pop(key, None)
+
+    def tokens(self, estimate: Callable[[str | None, int], float]) -> float:
+        """The work waiting; `estimate(app, stage)`: the expected output of such a call."""
+        return self.known + sum(n * estimate(app, stage) for (app, stage), n in self.estimated.items())
 
 
 def tokens_of(facts: RequestFacts, expected_output: float) -> float:

@@ -345,8 +345,12 @@ class WeightedService:
         return tokens / w * c.user_priority.get(self.user_of(facts), 1.0)
 
     def expected_output(self, facts: RequestFacts) -> float:
-        est = self.outputs.get((facts.app, facts.interaction_stage or 0), (facts.app, 0))
+        est = self.expected_for(facts.app, facts.interaction_stage or 0)
         return est if facts.max_tokens is None else min(est, facts.max_tokens)
+
+    def expected_for(self, app: str | None, stage: int) -> float:
+        """The learned output of a call of `app` at `stage` (its app's first stage's if unseen)."""
+        return self.outputs.get((app, stage), (app, 0))
 
     def charge(self, facts: RequestFacts) -> float:
         """At dispatch: charge the estimate; remembered by request id until `complete`."""

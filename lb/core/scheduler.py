@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Protocol, Sequence
 
+from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
@@ -200,6 +201,7 @@ class Scheduler:
         self.closed = False
         self._waiting: dict[str, int] = {}  # model → entries queued (kept as they come and go)
         self._waiting_tokens: dict[str, int] = {}  # model → their prompt tokens
+        self.queued_work = QueuedWork()  # their tokens as admission counts them (lb.core.admission)
         self.backlog = Backlog()  # prefill ahead per target, and the TTFT it predicts
 
     def reconfigure(self, cfg: SchedulerConfig) -> None:
@@ -285,6 +287,7 @@ class Scheduler:
         model = entry.facts.model
         self._waiting[model] = self._waiting.get(model, 0) + sign
         self._waiting_tokens[model] = self._waiting_tokens.get(model, 0) + sign * entry.facts.prompt_tokens
+        self.queued_work.add(entry.facts, sign)
 
     def _take(self, entry: QueueEntry) -> None:
         self.queue.dispatch(entry)  # WSC/VTC charge the tenant here

@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from lb.core.admission import NO_CAPACITY, Admission, RegionLoad, judge, tokens_of
+from lb.core.admission import NO_CAPACITY, Admission, RegionLoad, judge
 from lb.core.deferred import DeferredQueue
 from lb.core.tiers import engine_priority
 from lb.core.types import QueueEntry, RequestFacts, Tier
@@ -121,8 +121,8 @@ class Gate:
 
     # -- the request side ----------------------------------------------------------------------
     def load(self) -> RegionLoad:
-        expected = self.fairness.service.expected_output
-        ahead = sum(tokens_of(e.facts, expected(e.facts)) for e in self.dispatcher.queue)
+        # kept by the scheduler as entries come and go: no walk of the queue per arrival
+        ahead = self.dispatcher.scheduler.queued_work.tokens(self.fairness.service.expected_for)
         return RegionLoad(tokens_ahead=ahead, service_tps=self.fairness.rate.rate)
 
     async def admit(self, request: web.Request, facts: RequestFacts, doc: dict) -> RequestFacts:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lb.core.admission import AdmissionConfig, RegionLoad, judge, estimate
 from lb.core.tiers import TierConfig, TierTarget
@@ -99,3 +101,33 @@ def test_tokens_of_uses_max_tokens_else_the_expectation():
 
     assert tokens_of(RequestFacts("a", "m", prompt_tokens=10, max_tokens=5), 99) == 15
     assert tokens_of(RequestFacts("a", "m", prompt_tokens=10), 99) == 109
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 500), st.one_of(st.none(), st.integers(0, 300)),
+                          st.sampled_from([None, "chat", "agent"]), st.integers(0, 3), st.integers(0, 10 ** 6)),
+                max_size=60))
+@settings(max_examples=150, deadline=None)
+def test_queued_work_is_the_sum_of_tokens_of_over_what_waits(ops):
+    """The scheduler's running total equals summing `tokens_of` over the waiting calls with
+    the estimate read now, whatever comes and goes (and however the estimates moved)."""
+    from lb.core.admission import QueuedWork, tokens_of
+
+    work, waiting = QueuedWork(), []
+    estimates = {("chat", 0): 40.0, ("chat", 1): 7.0, ("agent", 2): 120.0}
+
+    def expected(app, stage):
+        return estimates.get((app, stage), estimates.get((app, 0), 64.0))
+
+    for i, (add, prompt, max_tokens, app, stage, pick) in enumerate(ops):
+        if add or not waiting:
+            f = RequestFacts(f"r{i}", "m", prompt_tokens=prompt, max_tokens=max_tokens, app=app,
+                             interaction_stage=stage)
+            work.add(f)
+            waiting.append(f)
+        else:
+            work.add(waiting.pop(pick % len(waiting)), -1)
+        estimates[("chat", 0)] += 1.5  # the learned estimate moves while calls wait
+        want = sum(tokens_of(f, expected(f.app, f.interaction_stage or 0)) for f in waiting)
+        assert work.tokens(expected) == pytest.approx(want)
+    if not waiting:
+        assert not work.estimated and work.known == 0  # nothing left behind

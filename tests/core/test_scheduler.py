@@ -57,6 +57,18 @@ def test_filter_chain_health_draining_breaker_model_and_pushing():
     assert got == {"r0": "ok", "r1": "ok", "r2": "ok"}
     assert targets[-1].view.outstanding == 3 and targets[-1].view.pushed_since_probe == 3
     assert len(s) == 0 and s.waiting("m") == 0
+    assert s.queued_work.tokens(lambda app, stage: 64.0) == 0  # the work admission counts left with them
+
+
+def test_the_work_admission_counts_follows_what_waits():
+    s = sched()
+    for i in range(3):
+        s.admit(entry(f"r{i}"), NOW)  # 100 prompt + 16 max tokens each
+    s.admit(QueueEntry(RequestFacts("open", "m", prompt_tokens=100), enqueued_at=NOW, seq=next(seq)), NOW)  # output: the estimate
+    assert s.queued_work.tokens(lambda app, stage: 50.0) == 3 * 116 + 100 + 50
+    withdrawn = next(e for e in s.queue if e.facts.request_id == "open")
+    s.withdraw(withdrawn)
+    assert placed(s, [rep("one", pending=0)]) and s.queued_work.tokens(lambda app, stage: 50.0) == 0
 
 
 def test_push_counts_make_a_replica_unavailable_within_the_pass():
