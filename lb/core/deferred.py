@@ -97,6 +97,7 @@ class DeferredQueue(StaticKeyQueue):
         self._by_age: list[tuple[float, int, QueueEntry]] = []
         self._seq: dict[QueueEntry, int] = {}  # push order, the deadline heap's tie-break
         self._pushes = itertools.count()
+        self._models: dict[str, int] = {}  # model → entries held (`by_model`)
 
     def key(self, entry: QueueEntry) -> object:
         return self.tiers.e2e_deadline(entry.facts)
@@ -109,6 +110,7 @@ class DeferredQueue(StaticKeyQueue):
         super().push(entry)
         seq = self._seq[entry] = next(self._pushes)
         heapq.heappush(self._by_age, (entry.enqueued_at, seq, entry))
+        self._models[entry.facts.model] = self._models.get(entry.facts.model, 0) + 1
 
     def remove(self, entry: QueueEntry) -> bool:
         if not super().remove(entry):
@@ -122,8 +124,17 @@ class DeferredQueue(StaticKeyQueue):
             self._forget(entry)
         return entry
 
+    def by_model(self) -> dict[str, int]:
+        """How many entries are held per model (the capacity round's unified-pool rule),
+        counted as they come and go, not by walking 100,000 of them."""
+        return dict(self._models)
+
     def _forget(self, entry: QueueEntry) -> None:
         del self._seq[entry]
+        model = entry.facts.model
+        self._models[model] -= 1
+        if not self._models[model]:
+            del self._models[model]
         if len(self._by_age) > 2 * len(self._seq) + 16:  # as the deadline heap compacts
             self._by_age = [item for item in self._by_age if item[2] in self._seq]
             heapq.heapify(self._by_age)

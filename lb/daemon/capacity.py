@@ -26,11 +26,12 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Iterable
+from typing import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lb.core.deferred import DeferredQueue
 from lb.core.anticipator import LoadAwarePolicy
 from lb.core.forecast import ServiceForecaster
 from lb.core.planner import planned_instances
@@ -49,12 +50,12 @@ STATELESS_KEYS = ("min_replicas", "max_replicas", "target_kv")
 
 class Capacity:
     def __init__(self, cfg: ScalingConfig, registry: Registry, dispatcher, metrics_registry,
-                 deferred: Callable[[], Iterable[QueueEntry]] = tuple,
+                 deferred: Callable[[], DeferredQueue | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.cfg = cfg
         self.registry = registry
         self.dispatcher = dispatcher
-        self.deferred = deferred  # NIW entries held back (the admission gate's deferred queue)
+        self.deferred = deferred  # the admission gate's deferred queue (NIW entries held back), if any
         self.clock, self.wall = clock, wall
         self.strategy = make_strategy(cfg.strategy, **cfg.params) if cfg.strategy else None
         self.hooks = ScalingHooks([make_actuator(t, self._replicas_changed) for t in cfg.actuators],
@@ -137,7 +138,8 @@ class Capacity:
         queued: dict[str, list[QueueEntry]] = collections.defaultdict(list)
         for entry in self.dispatcher.queue:
             queued[entry.facts.model].append(entry)
-        niw = collections.Counter(e.facts.model for e in self.deferred())
+        held = self.deferred()
+        niw = held.by_model() if held is not None else {}
         out = []
         for pool, reps in sorted(self._members().items()):
             s = self.signals_for(pool, reps, queued.get(pool[1], []), now)

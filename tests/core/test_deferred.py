@@ -168,3 +168,16 @@ def test_entries_promoted_by_age_leave_in_deadline_order_not_age_order():
     soon = QueueEntry(RequestFacts(request_id="sooner-deadline", model="m", tier=Tier.NIW, arrival=5.0), 1.0)
     q.push(late), q.push(soon)  # queued in that order (a job read back from its journal keeps its arrival)
     assert ids(q.release(40.0, 0.9)) == ["sooner-deadline", "late-deadline"]  # both by age, deadlines 65 and 70
+
+
+def test_the_entries_held_per_model_are_counted_as_they_come_and_go():
+    q = DeferredQueue(CFG, TIERS)
+    a, b, c = niw("a", 0), niw("b", 1), QueueEntry(RequestFacts(request_id="c", model="other", arrival=2,
+                                                                 tier=Tier.NIW), 2)
+    for e in (a, b, c):
+        q.push(e)
+    assert q.by_model() == {"m": 2, "other": 1}
+    q.remove(b), q.pop(0.0)
+    assert q.by_model() == {"other": 1} and len(q) == 1
+    q.release(10_000.0, 0.0)  # promoted or released by capacity: gone from the count too
+    assert q.by_model() == {} and len(q) == 0
