@@ -103,6 +103,10 @@ panel("Pool KV usage, queue p95, tokens in flight", [(f'lb_pool_effective_kv_usa
 panel("Scaling decisions/s", [(f'sum by (direction) (rate(lb_scaling_decisions_total{I}{R}))', "{{direction}}")], "ops")
 panel("Durable jobs", [(f'lb_jobs_unfinished{I}', "unfinished"), (f'sum by (status) (rate(lb_jobs_finished_total{I}{R}))', "finished/s {{status}}")])
 panel("lb process", [(f'rate(process_cpu_seconds_total{I}{R})', "CPU cores {{instance}}"), (f'process_resident_memory_bytes{I} / 2^30', "RSS GiB {{instance}}")])
+panel("lb event loop: timer lag and collector pauses", [
+    (q(0.99, "lb_event_loop_lag_seconds", "le, instance"), "loop lag p99 {{instance}}"),
+    (f'sum by (instance) (rate(lb_gc_pause_seconds_sum{I}{R}))', "GC seconds per second {{instance}}")], "s",
+    desc="How late a 50 ms timer runs (every request in flight waits through a stall) and the time spent in garbage-collector passes")
 endrow()
 
 dash = {"title": "lb: LLM load balancer", "uid": "lb-overview", "schemaVersion": 39, "version": 1, "editable": True,
