@@ -156,23 +156,28 @@ class DeferredQueue(StaticKeyQueue):
         while by_age and by_age[0][2] not in self._seq:  # removed since: gone for good
             heapq.heappop(by_age)
         first = self.peek(now)
-        if first is None or (self.tiers.e2e_deadline(first.facts) - now > self.cfg.deadline_margin_s
-                             and now - by_age[0][0] < self.cfg.promote_after_s):
+        if first is None or not (self._deadline_near(first, now) or self._old(by_age[0][0], now)):
             return []  # neither heap's first is due: nothing is
         for entry in self.iter_in_order(now):  # earliest deadline first
-            if self.tiers.e2e_deadline(entry.facts) - now > self.cfg.deadline_margin_s:
+            if not self._deadline_near(entry, now):
                 break
             found[entry] = None
         oldest = list(self._by_age)  # popped lazily: O(log n) per entry looked at
-        while oldest and now - oldest[0][0] >= self.cfg.promote_after_s:
+        while oldest and self._old(oldest[0][0], now):
             entry = heapq.heappop(oldest)[2]
             if entry in self._seq:
                 found[entry] = None
         return sorted(found, key=lambda e: (self.key(e), self._seq[e]))
 
     def promoted(self, entry: QueueEntry, now: float) -> bool:
-        return (now - entry.enqueued_at >= self.cfg.promote_after_s
-                or self.tiers.e2e_deadline(entry.facts) - now <= self.cfg.deadline_margin_s)
+        """Released regardless of load: held `promote_after_s`, or its deadline near."""
+        return self._old(entry.enqueued_at, now) or self._deadline_near(entry, now)
+
+    def _old(self, enqueued_at: float, now: float) -> bool:
+        return now - enqueued_at >= self.cfg.promote_after_s
+
+    def _deadline_near(self, entry: QueueEntry, now: float) -> bool:
+        return self.tiers.e2e_deadline(entry.facts) - now <= self.cfg.deadline_margin_s
 
     def release_round(self, now: float, *, queued: int, replicas: Iterable[ReplicaView],
                       available: Callable[[ReplicaView], bool]) -> list[Release]:

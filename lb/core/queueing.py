@@ -312,11 +312,6 @@ class DPAQueue(_MembershipQueue):
         self.tiers = tiers or TierConfig()
         self._by_tier: dict[Tier, list[tuple[float, tuple, QueueEntry]]] = {}  # (deadline, seq, entry), sorted
 
-    def _key(self, entry: QueueEntry, now: float) -> tuple:
-        deadline = self.tiers.ttft_deadline(entry.facts)
-        cls = dpa_class(entry.facts.tier, deadline - now, self.tiers.tau_n_s, self.tiers.tau_p_s)
-        return (cls, deadline, self._seq[entry])
-
     def push(self, entry: QueueEntry) -> None:
         super().push(entry)
         bisect.insort(self._by_tier.setdefault(entry.facts.tier, []),
@@ -331,24 +326,19 @@ class DPAQueue(_MembershipQueue):
         return True
 
     def _classes(self, now: float) -> list[list[tuple[list, int, int]]]:
-        """Per DPA class, in serving order, the (sorted list, start, end) slices it holds."""
+        """Per DPA class, in serving order, the (sorted list, start, end) slices it holds: each
+        tier cut where its slack crosses -τp, 0 and τn (the bounds `dpa_class` tests), each
+        piece in the class `dpa_class` gives its first entry."""
         t = self.tiers
         out: list[list[tuple[list, int, int]]] = [[] for _ in range(6)]
         for tier, items in self._by_tier.items():
-            if not items:
-                continue
-            if tier is Tier.NIW:
-                out[URGENT_N].append((items, 0, len(items)))
-                continue
-            # the first index past each bound, by the very test dpa_class makes
-            severe = bisect.bisect_left(items, True, key=lambda it: it[0] - now >= -t.tau_p_s)
-            expired = bisect.bisect_left(items, True, lo=severe, key=lambda it: it[0] - now >= 0)
-            urgent = bisect.bisect_left(items, True, lo=expired, key=lambda it: it[0] - now >= t.tau_n_s)
-            fast = tier is Tier.IW_F
-            out[SEVERELY_EXPIRED].append((items, 0, severe))
-            out[RECENTLY_EXPIRED].append((items, severe, expired))
-            out[URGENT_F if fast else URGENT_N].append((items, expired, urgent))
-            out[RELAXED_F if fast else RELAXED_N].append((items, urgent, len(items)))
+            cuts = [0]
+            for bound in (-t.tau_p_s, 0.0, t.tau_n_s):
+                cuts.append(bisect.bisect_left(items, True, lo=cuts[-1], key=lambda it: it[0] - now >= bound))
+            cuts.append(len(items))
+            for a, b in zip(cuts, cuts[1:]):
+                if a < b:
+                    out[dpa_class(tier, items[a][0] - now, t.tau_n_s, t.tau_p_s)].append((items, a, b))
         return out
 
     def peek(self, now: float) -> QueueEntry | None:

@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from lb.core.deferred import DeferredQueue
 from lb.core.anticipator import LoadAwarePolicy
+from lb.core.deferred import DeferredQueue
 from lb.core.forecast import ServiceForecaster
 from lb.core.planner import planned_instances
 from lb.core.scaling import (ScalingDecision, ScalingSignals, desired_replicas, keep_for_deferred, make_strategy,

@@ -524,7 +524,13 @@ def test_a_user_with_calls_queued_is_never_forgotten():
 
 
 class _DPARankAll(QUEUE_ORDERS["dpa"]):
-    """DPA ranking every entry by its class now, as peek and a pass did before: the reference."""
+    """DPA ranking every entry by (its class now, TTFT deadline, arrival), as peek and a pass
+    did before: the reference."""
+
+    def _key(self, entry, now):
+        deadline = self.tiers.ttft_deadline(entry.facts)
+        return (dpa_class(entry.facts.tier, deadline - now, self.tiers.tau_n_s, self.tiers.tau_p_s),
+                deadline, self._seq[entry])
 
     def peek(self, now):
         return min(self._seq, key=lambda e: self._key(e, now), default=None)
