@@ -5,6 +5,7 @@ handlers never answer 500 for bad input.
 """
 from __future__ import annotations
 
+import random
 import uuid
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    sample_key: int | None = None  # bench.engine.EngineRequest.sample_key (`sample_key` below)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -70,14 +72,28 @@ def _positive(body: dict, key: str) -> int | None:
     return value
 
 
+def sample_key(params: dict) -> int | None:
+    """How the answer is drawn. Greedy decoding (`temperature` 0) answers a prompt the same way
+    each time: None, the answer follows the prompt. Sampled decoding (the API's default
+    temperature is 1) answers it differently each time unless `seed` fixes the draw, so two
+    clients asking the same question share its prompt's cache but not their answers."""
+    temperature = _typed(params, "temperature", (int, float), "a number")
+    if temperature == 0:
+        return None
+    seed = _typed(params, "seed", int, "an integer")
+    return seed if seed is not None else random.getrandbits(63)
+
+
 def _common(body: dict, prompt_ids: list[int], max_new: int | None, ignore_eos: bool,
-            stream: bool, include_usage: bool) -> GenRequest:
+            stream: bool, include_usage: bool, params: dict | None = None) -> GenRequest:
+    """`params`: where the sampling options are (SGLang's `sampling_params`; else the body)."""
     rid = _typed(body, "rid", str, "a string") or uuid.uuid4().hex
     priority = _typed(body, "priority", int, "an integer", 0)
     model = _typed(body, "model", str, "a string")
     if not prompt_ids:
         raise ApiError(400, "The prompt is empty.", "prompt")
-    return GenRequest(rid, prompt_ids, max_new, ignore_eos, priority, stream, include_usage, model)
+    return GenRequest(rid, prompt_ids, max_new, ignore_eos, priority, stream, include_usage, model,
+                      sample_key(body if params is None else params))
 
 
 def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool]:
@@ -142,7 +158,7 @@ def parse_generate(body: dict) -> GenRequest:
     ignore_eos = _typed(params, "ignore_eos", bool, "a boolean", False)
     stream = _typed(body, "stream", bool, "a boolean", False)
     # SGLang's default max_new_tokens for /generate is 128
-    return _common(body, ids, 128 if max_new is None else max_new, ignore_eos, stream, False)
+    return _common(body, ids, 128 if max_new is None else max_new, ignore_eos, stream, False, params)
 
 
 def parse_responses(body: dict) -> GenRequest:

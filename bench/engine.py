@@ -64,6 +64,10 @@ Scheduling, as SGLang and vLLM do it:
 - Output: `ignore_eos` → exactly max_new_tokens; otherwise a lognormal length (seeded per
   engine seed and prompt) capped by max_new_tokens. Output token ids are deterministic per
   (seed, prompt) and come from `tokenizer.OUTPUT_IDS`, so they decode to text.
+- Sampled answers: a request with a `sample_key` (sampled decoding, the API's default) draws
+  its length and ids per (seed, prompt, key), so two requests with the same prompt share the
+  prompt's cache but not their answers; without one (greedy decoding) the answer follows the
+  prompt. With `token_ids=False` (the simulator) a keyed answer is a window of `ANSWERS`.
 """
 from __future__ import annotations
 
@@ -74,10 +78,34 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
+import mmh3
+
 from bench.profiles import Profile
 from bench.tokenizer import OUTPUT_IDS
 
-FIXED_TOKEN = OUTPUT_IDS[0]  # the one output id emitted with token_ids=False
+FIXED_TOKEN = OUTPUT_IDS[0]  # the one output id emitted with token_ids=False and no sample key
+# Sampled answers in the simulator: one long pre-drawn stream of output words, each keyed
+# answer a window of it starting where its key points. A list slice per decode run, where a
+# draw per token would cost the simulator its speed (it emits ~10^9 tokens an hour).
+ANSWERS: tuple[int, ...] = tuple(random.Random(0x5A3D).choices(OUTPUT_IDS, k=1 << 16))
+
+
+def answer_ids(key: int, start: int, count: int) -> list[int]:
+    """Output ids `start` .. `start + count` of the answer sampled under `key`."""
+    n = len(ANSWERS)
+    i, out = (key + start) % n, []
+    while count > 0:
+        take = min(count, n - i)
+        out.extend(ANSWERS[i:i + take])
+        count, i = count - take, 0
+    return out
+
+
+def answer_key(request_id: str) -> int:
+    """The simulator's sample key of a request: its answer is its own (clients sample)."""
+    return mmh3.hash64(request_id, signed=False)[0]
+
+
 # sglang environ.py: SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, SGLANG_RETRACT_DECODE_STEPS;
 # schedule_policy.py: LPM falls back to FCFS above this many waiting requests.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -98,6 +126,9 @@ class EngineRequest:
     # instead of hashed from token ids, which are never read (only `len(prompt_tokens)`).
     # The cache behaves exactly as with hashed keys (nothing else ever matches either way).
     unique_prompt: bool = False
+    # Sampled decoding: the answer's draw (two requests with the same prompt and different keys
+    # get different answers, as sampling gives them); None: greedy, the answer follows the prompt.
+    sample_key: int | None = None
 
 
 @dataclass
@@ -330,7 +361,9 @@ class Engine:
                              f"({req.max_new_tokens}) exceeds the context limit of {limit}")
         # the per-request draws (output length, token ids), seeded by the prompt; unused when
         # neither is drawn (the simulator), and hashing a long prompt is not free
-        rng = random.Random(hash((self.seed, tuple(req.prompt_tokens)))) if self.token_ids or not req.ignore_eos else None
+        draw = (self.seed, tuple(req.prompt_tokens)) if req.sample_key is None else \
+            (self.seed, tuple(req.prompt_tokens), req.sample_key)
+        rng = random.Random(hash(draw)) if self.token_ids or not req.ignore_eos else None
         if req.ignore_eos:
             target = req.max_new_tokens
         else:
@@ -635,7 +668,9 @@ class Engine:
         return decodes, chunks, emitting
 
     def _emit(self, seq: _Seq, result: StepResult, now: float) -> None:
-        token = OUTPUT_IDS[seq.rng.randrange(len(OUTPUT_IDS))] if self.token_ids else FIXED_TOKEN
+        key = seq.req.sample_key
+        token = (OUTPUT_IDS[seq.rng.randrange(len(OUTPUT_IDS))] if self.token_ids
+                 else FIXED_TOKEN if key is None else ANSWERS[(key + seq.output_len) % len(ANSWERS)])
         seq.tokens.append(token)
         seq.private += 1
         seq.computed = n = len(seq.tokens)

@@ -4,9 +4,11 @@ Closed loop (`Programs`): the live workloads' own programs (bench/workloads: Tre
 Thoughts, Mixed Tree, multi-turn conversations) hand out requests; a request's prompt is
 the program's chat messages rendered and tokenized exactly as the emulator does
 (`bench.tokenizer`), and when it finishes the program is given the output text the
-simulated engine produced (`FastEngine` emits one fixed output token, which decodes to text
-that encodes back to the same ids, so the next turn's prompt carries the previous answer
-as a token prefix, as it does live). Programs run either
+simulated engine produced (`bench.engine.answer_ids` under the request's sample key: every
+answer is sampled, its own, as a Tree of Thoughts samples its thoughts; the ids decode to
+text that encodes back to the same ids, so a child's prompt carries its parent's answer as
+a token prefix, as it does live). Two trees asking the same question share the question's
+prompt, not their answers. Programs run either
 - from a fixed number of clients per region, each running one program after another (the
   live client's `--clients`; the agreement test uses this), or
 - as program arrivals, a Poisson stream of new programs at a rate (how `--load` offers a
@@ -22,16 +24,15 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from bench.engine import FIXED_TOKEN
+from bench.engine import answer_ids, answer_key
 from bench.sim.arena import Arena, Call, Done
 from bench.tokenizer import decode, encode, render_chat
 from bench.workloads.base import RequestSpec
 
 
-@functools.lru_cache(maxsize=64)
-def output_text(n: int) -> str:
-    """The text of `n` output tokens as the simulated engine emits them."""
-    return decode([FIXED_TOKEN] * n)
+def output_text(request_id: str, n: int) -> str:
+    """The text of the `n` output tokens the simulated engine emits for `request_id`."""
+    return decode(answer_ids(answer_key(request_id), 0, n))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -80,7 +81,7 @@ class Programs:
 
     def _finished(self, program, spec: RequestSpec, region: str, on_end, done: Done) -> None:
         program.pending -= 1
-        for nxt in program.on_done(spec, output_text(done.output_tokens)):
+        for nxt in program.on_done(spec, output_text(spec.request_id, done.output_tokens)):
             if self.may_issue():
                 program.pending += 1
                 self._send(program, nxt, region, on_end)

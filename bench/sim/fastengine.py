@@ -9,9 +9,9 @@ find how many of its steps had started by some instant, and apply j steps at onc
 
 What stays exact (tests/bench/test_sim.py checks it against `Engine` stepped one by one):
 step start/end times, admission, first-token and finish times, KV accounting, preemption,
-cached tokens. What differs: output token *ids* are one fixed id (`Engine(token_ids=False)`) instead of
-the per-request random draw (they are not on any timing path; prefix caching of outputs
-still only matches identical prompts, as with the draws, which are seeded by the prompt).
+cached tokens. What differs: output token *ids* (`Engine(token_ids=False)`) are a window of
+`bench.engine.ANSWERS` per sampled request (one fixed id without a sample key) instead of a
+draw per token: a slice per run, and two answers still differ exactly when their keys do.
 
 Why a run can be collapsed: admission is checked at each step start, and during pure decode
 the free KV minus running reservations never grows (each sequence takes one token and its
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.engine import FIXED_TOKEN, Engine
+from bench.engine import FIXED_TOKEN, Engine, answer_ids
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class FastEngine(Engine):
         self._allocate(run.n * j)
         filler = [FIXED_TOKEN] * j
         for seq in self._running:
-            seq.tokens.extend(filler)
+            key = seq.req.sample_key
+            seq.tokens.extend(filler if key is None else answer_ids(key, seq.output_len, j))
             seq.private += j
             seq.computed = len(seq.tokens)
         self.counters.generation_tokens += run.n * j

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from bench.engine import EngineRequest
+from bench.engine import EngineRequest, answer_key
 from bench.profiles import Profile
 from bench.sim.core import EventLoop
 from bench.sim.fastengine import DecodeRun, FastEngine
@@ -237,7 +237,7 @@ class SimReplica:
         self._before_change(now)
         self._catch_up(now)
         self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now,
-                                         unique_prompt=req.unique_prompt), now)
+                                         unique_prompt=req.unique_prompt, sample_key=answer_key(req.id)), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:

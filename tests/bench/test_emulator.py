@@ -219,12 +219,19 @@ def test_openai_sdk_streams_chat_and_completions(emu):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     comp = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
-                                          max_tokens=5, stream=True,
+                                          max_tokens=5, stream=True, temperature=0,
                                           stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in comp if c.choices).strip()
     assert comp[-1].usage.completion_tokens <= 5
-    again = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5)
+    # greedy decoding answers a prompt the same way each time, streamed or not
+    again = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert again.choices[0].text == "".join(c.choices[0].text for c in comp if c.choices)
+    # sampled decoding (the default) differently each time, unless a seed fixes the draw
+    def sampled(**kw) -> str:
+        return client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8,
+                                         extra_body={"ignore_eos": True}, **kw).choices[0].text
+    assert len({sampled() for _ in range(3)}) == 3
+    assert sampled(seed=7) == sampled(seed=7) != sampled(seed=8)
 
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)

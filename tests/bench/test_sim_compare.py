@@ -181,7 +181,7 @@ def test_simulated_clients_tokenize_prompts_exactly_as_the_emulator():
         while specs:
             spec = specs.pop()
             assert encode_chat(spec.messages) == encode(render_chat(spec.messages))
-            specs.extend(program.on_done(spec, output_text(spec.max_tokens)))
+            specs.extend(program.on_done(spec, output_text(spec.request_id, spec.max_tokens)))
 
 
 def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part():
