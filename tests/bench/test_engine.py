@@ -493,3 +493,55 @@ def test_unique_prompts_keyed_per_request_run_exactly_as_hashed_ones(profile):
     assert keyed == hashed
     counters = keyed[1]
     assert counters["preemptions"] > 0 and counters["evicted_tokens"] > 0 and counters["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("engine_class", ["Engine", "FastEngine"])
+def test_sampled_answers_are_each_requests_own_and_cached_with_their_prompt(engine_class):
+    """The simulator's engines (no per-token draws) give a keyed request the window of
+    `ANSWERS` its key points at: two requests with one prompt and different keys answer
+    differently, a follow-up carrying one answer finds that answer cached (as a tree's child
+    or a conversation's next turn does), and one carrying an answer never given finds only
+    the prompt. Without a key every answer is the one fixed token (greedy and the old model)."""
+    from bench.engine import FIXED_TOKEN, answer_ids
+    from bench.sim.fastengine import FastEngine
+
+    e = Engine(TINY, token_ids=False) if engine_class == "Engine" else FastEngine(TINY)
+    p = prompt(64, 7)
+    for rid, key in (("a", 11), ("b", 12), ("greedy", None)):
+        e.submit(EngineRequest(rid, p, 40, ignore_eos=True, sample_key=key), 0.0)
+    if engine_class == "Engine":
+        now, steps = run_until_idle(e)
+        out = outputs(steps)
+        assert out["a"] == answer_ids(11, 0, 40) and out["b"] == answer_ids(12, 0, 40)
+        assert out["greedy"] == [FIXED_TOKEN] * 40
+    else:  # as the simulator drives it: pure-decode runs applied in closed form
+        now, collapsed = 0.0, 0
+        while (t := e.next_event_time(now)) is not None:
+            run = e.plan_decode_run(t)
+            if run is None:
+                now = e.step(t).end
+            else:
+                e.apply_decode_steps(run, run.k)
+                now, collapsed = run.end, collapsed + run.k
+        assert collapsed > 20  # the answers were written by decode runs, not token by token
+    assert answer_ids(11, 0, 40) != answer_ids(12, 0, 40)
+    assert answer_ids(11, 0, 40) == answer_ids(11, 0, 25) + answer_ids(11, 25, 15)
+    b = TINY.block_size
+
+    def cached(rid: str, tokens: list[int]) -> int:
+        e.submit(EngineRequest(rid, tokens, 1, ignore_eos=True), now)
+        _, steps = run_until_idle(e, now)
+        return next(f.cached_tokens for s in steps for f in s.finished if f.id == rid)
+
+    follow = p + answer_ids(11, 0, 40) + prompt(8, 99)
+    assert cached("child-of-a", follow) == (len(p) + 40) // b * b
+    never = p + answer_ids(13, 0, 40) + prompt(8, 99)
+    assert cached("child-of-nobody", never) == len(p) // b * b
+
+
+def test_simulated_clients_read_back_the_answer_the_engine_gave():
+    from bench.engine import answer_ids, answer_key
+    from bench.sim.clients import output_text
+
+    assert encode(output_text("tot-c1-t0-root", 64)) == answer_ids(answer_key("tot-c1-t0-root"), 0, 64)
+    assert output_text("tot-c1-t0-root", 64) != output_text("tot-c2-t0-root", 64)

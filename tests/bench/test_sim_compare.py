@@ -228,3 +228,34 @@ def test_clients_that_do_not_stream_show_lb_no_first_token():
     assert not backlog.ahead
     rates = lb.policy.scorers[0].model.rates
     assert rates and all(r.step_s is None and r.whole_step_s > 0 for r in rates.values())
+
+
+def test_a_childs_prompt_finds_its_parents_sampled_answer_cached_and_no_other_trees():
+    """The simulated engine answers each request with its own sampled tokens and the client
+    builds the child's prompt from exactly those: a child served where its parent ran finds
+    the parent's answer cached (not only the parent's prompt), while a tree repeating an
+    earlier tree's question shares the question, never the earlier tree's thoughts."""
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import get
+
+    arena = make_arena("tot", "lb", seed=1)
+    # light (nothing is evicted), and long enough for ~100 trees over 200 questions: many repeat one
+    get("tot").drive(arena, seed=1, rate_rps=6.0, stop_at=240.0)
+    arena.loop.run(240.0)
+    done = {d.req.id: d for d in arena.done}
+
+    def parent(rid: str) -> str:
+        head, last = rid.rsplit("-", 1)
+        return f"{head}-{last.rsplit('.', 1)[0]}" if "." in last else f"{head}-root"
+
+    pairs = [(d, done[parent(i)]) for i, d in done.items()
+             if not i.endswith("root") and parent(i) in done and done[parent(i)].req.served_by == d.req.served_by]
+    assert len(pairs) > 50
+    block = 16  # the profile's cache block
+    found = [d.cached_tokens >= (p.prompt_tokens + p.output_tokens) // block * block for d, p in pairs]
+    assert sum(found) >= 0.95 * len(pairs)
+    # every node of a tree is its own: a child finds at most its parent's prompt and answer
+    # (and a block of its instruction a sibling shares), never a whole earlier tree's child
+    # that asked the same question (200 questions; with one fixed answer token they matched)
+    children = [(d, done[parent(i)]) for i, d in done.items() if not i.endswith("root") and parent(i) in done]
+    assert all(d.cached_tokens <= (p.prompt_tokens + p.output_tokens) // block * block + block for d, p in children)
