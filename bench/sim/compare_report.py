@@ -31,15 +31,19 @@ def standing(summary: dict) -> dict | None:
     if by_thr is None or ours is None:
         return None
     peers = {k: v for k, v in systems.items() if not k.startswith("lb")}
-    med = lambda s, k: s[k]["median"] or 0.0  # noqa: E731
+    med = lambda s, k: (s[k]["median"] or 0.0) if k in s else 0.0  # noqa: E731
     by_p90 = min(peers, key=lambda k: peers[k]["ttft_p90_s"]["median"] or float("inf"))
     behind = []
     if ours["throughput_rps"]["ci95"][1] < peers[by_thr]["throughput_rps"]["ci95"][0]:
         behind.append(f"throughput ({by_thr})")
+    by_served = max(peers, key=lambda k: med(peers[k], "served_rps"))
+    if "served_rps" in ours and ours["served_rps"]["ci95"][1] < peers[by_served]["served_rps"]["ci95"][0]:
+        behind.append(f"served over the run ({by_served})")
     if ours["ttft_p90_s"]["ci95"][0] > peers[by_p90]["ttft_p90_s"]["ci95"][1]:
         behind.append(f"TTFT p90 ({by_p90})")
     ca = peers.get("sglang-router cache_aware")
     return {"best_by_throughput": by_thr, "throughput": _ratio(med(ours, "throughput_rps"), med(peers[by_thr], "throughput_rps")),
+            "best_by_served": by_served, "served": _ratio(med(ours, "served_rps"), med(peers[by_served], "served_rps")),
             "lowest_p90": by_p90, "p90": _ratio(ours["ttft_p90_s"]["median"], peers[by_p90]["ttft_p90_s"]["median"]),
             "p90_vs_cache_aware": _ratio(ours["ttft_p90_s"]["median"], ca["ttft_p90_s"]["median"]) if ca else "-",
             "behind": behind}
@@ -51,10 +55,11 @@ def _ratio(a, b) -> str:
 
 def table(summary: dict) -> str:
     """Markdown table: one row per system, medians with 95 % CIs, lb's ratios underneath."""
-    rows = ["| system | throughput req/s | TTFT p50 ms | TTFT p90 ms | E2E p50 s | cached | cut |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| system | throughput req/s | served req/s (whole run) | TTFT p50 ms | TTFT p90 ms | E2E p50 s | cached | cut |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, s in summary["systems"].items():
-        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
+        served = _fmt(s["served_rps"]) if "served_rps" in s else "-"
+        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {served} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
                     f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
                     f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
     peer = best_peer(summary)
@@ -147,12 +152,13 @@ def sweep_plot(workload: str, summaries: dict[float, dict], out: Path) -> None:
     fig.savefig(out / "sweep.png", dpi=110)
     plt.close(fig)
     lines = [f"# sim-compare {workload} --sweep", "", "![sweep](sweep.png)", "",
-             "| load | lb / best peer throughput | lb / lowest peer TTFT p90 | lb / cache_aware TTFT p90 | "
-             "lb behind, intervals apart |", "|---|---|---|---|---|"]
+             "| load | lb / best peer throughput | lb / best peer served (whole run) | lb / lowest peer TTFT p90 | "
+             "lb / cache_aware TTFT p90 | lb behind, intervals apart |", "|---|---|---|---|---|---|"]
     for f in loads:
         st = standing(summaries[f])
         if st:
-            lines.append(f"| {f:g} | {st['throughput']} ({st['best_by_throughput']}) | {st['p90']} ({st['lowest_p90']}) | "
+            lines.append(f"| {f:g} | {st['throughput']} ({st['best_by_throughput']}) | {st['served']} ({st['best_by_served']}) | "
+                         f"{st['p90']} ({st['lowest_p90']}) | "
                          f"{st['p90_vs_cache_aware']} | {', '.join(st['behind']) or '-'} |")
     lines.append("")
     for f in loads:

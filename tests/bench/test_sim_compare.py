@@ -205,6 +205,14 @@ def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part()
     summary["systems"]["sglang-router round_robin"]["ttft_p90_s"]["ci95"] = [0.40, 4.9]
     assert standing(summary)["behind"] == []  # round robin's interval reaches lb's
     assert "behind with the intervals apart: nowhere" in table(summary)
+    # the whole run's completions are a measure of their own: the window's can hide or invent a gap
+    for name, served, ci in (("lb", 9.0, [8.9, 9.1]), ("sglang-router cache_aware", 9.5, [9.2, 9.8]),
+                             ("sglang-router round_robin", 9.6, [9.4, 9.7])):
+        summary["systems"][name]["served_rps"] = {"median": served, "ci95": ci}
+    st = standing(summary)
+    assert st["best_by_served"] == "sglang-router round_robin" and st["served"] == "0.94x"
+    assert st["behind"] == ["served over the run (sglang-router round_robin)"]
+    assert "| 9.00 [8.90, 9.10] |" in table(summary)
 
 
 def test_clients_that_do_not_stream_show_lb_no_first_token():
