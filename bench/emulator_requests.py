@@ -100,7 +100,7 @@ def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool]:
     n = _typed(body, "n", int, "an integer", 1)
     if n != 1:
         raise ApiError(400, "Only n=1 is supported.", "n")
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+    for key in ("top_p", "presence_penalty", "frequency_penalty"):  # temperature: `sample_key`
         _typed(body, key, (int, float), "a number")
     # SGLang Router rewrites max_tokens into max_completion_tokens; either is honoured
     max_new = _positive(body, "max_completion_tokens")

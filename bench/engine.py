@@ -90,10 +90,15 @@ FIXED_TOKEN = OUTPUT_IDS[0]  # the one output id emitted with token_ids=False an
 ANSWERS: tuple[int, ...] = tuple(random.Random(0x5A3D).choices(OUTPUT_IDS, k=1 << 16))
 
 
+def _answer_at(key: int, i: int) -> int:
+    """Where in `ANSWERS` the answer sampled under `key` has its token `i`."""
+    return (key + i) % len(ANSWERS)
+
+
 def answer_ids(key: int, start: int, count: int) -> list[int]:
     """Output ids `start` .. `start + count` of the answer sampled under `key`."""
     n = len(ANSWERS)
-    i, out = (key + start) % n, []
+    i, out = _answer_at(key, start), []
     while count > 0:
         take = min(count, n - i)
         out.extend(ANSWERS[i:i + take])
@@ -670,7 +675,7 @@ class Engine:
     def _emit(self, seq: _Seq, result: StepResult, now: float) -> None:
         key = seq.req.sample_key
         token = (OUTPUT_IDS[seq.rng.randrange(len(OUTPUT_IDS))] if self.token_ids
-                 else FIXED_TOKEN if key is None else ANSWERS[(key + seq.output_len) % len(ANSWERS)])
+                 else FIXED_TOKEN if key is None else ANSWERS[_answer_at(key, seq.output_len)])
         seq.tokens.append(token)
         seq.private += 1
         seq.computed = n = len(seq.tokens)

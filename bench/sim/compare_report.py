@@ -31,13 +31,13 @@ def standing(summary: dict) -> dict | None:
     if by_thr is None or ours is None:
         return None
     peers = {k: v for k, v in systems.items() if not k.startswith("lb")}
-    med = lambda s, k: (s[k]["median"] or 0.0) if k in s else 0.0  # noqa: E731
+    med = lambda s, k: s[k]["median"] or 0.0  # noqa: E731
     by_p90 = min(peers, key=lambda k: peers[k]["ttft_p90_s"]["median"] or float("inf"))
     behind = []
     if ours["throughput_rps"]["ci95"][1] < peers[by_thr]["throughput_rps"]["ci95"][0]:
         behind.append(f"throughput ({by_thr})")
     by_served = max(peers, key=lambda k: med(peers[k], "served_rps"))
-    if "served_rps" in ours and ours["served_rps"]["ci95"][1] < peers[by_served]["served_rps"]["ci95"][0]:
+    if ours["served_rps"]["ci95"][1] < peers[by_served]["served_rps"]["ci95"][0]:
         behind.append(f"served over the run ({by_served})")
     if ours["ttft_p90_s"]["ci95"][0] > peers[by_p90]["ttft_p90_s"]["ci95"][1]:
         behind.append(f"TTFT p90 ({by_p90})")
@@ -58,8 +58,7 @@ def table(summary: dict) -> str:
     rows = ["| system | throughput req/s | served req/s (whole run) | TTFT p50 ms | TTFT p90 ms | E2E p50 s | cached | cut |",
             "|---|---|---|---|---|---|---|---|"]
     for name, s in summary["systems"].items():
-        served = _fmt(s["served_rps"]) if "served_rps" in s else "-"
-        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {served} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
+        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['served_rps'])} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
                     f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
                     f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
     peer = best_peer(summary)

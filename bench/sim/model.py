@@ -237,7 +237,9 @@ class SimReplica:
         self._before_change(now)
         self._catch_up(now)
         self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now,
-                                         unique_prompt=req.unique_prompt, sample_key=answer_key(req.id)), now)
+                                         unique_prompt=req.unique_prompt,
+                                         # a unique prompt's answer is never sent back: no draw to make
+                                         sample_key=None if req.unique_prompt else answer_key(req.id)), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:

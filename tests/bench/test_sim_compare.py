@@ -188,7 +188,8 @@ def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part()
     from bench.sim.compare_report import standing, table
 
     def entry(thr, thr_ci, p90, p90_ci):
-        return {"throughput_rps": {"median": thr, "ci95": thr_ci}, "ttft_p50_s": {"median": 0.1, "ci95": [0.1, 0.1]},
+        return {"throughput_rps": {"median": thr, "ci95": thr_ci}, "served_rps": {"median": thr, "ci95": thr_ci},
+                "ttft_p50_s": {"median": 0.1, "ci95": [0.1, 0.1]},
                 "ttft_p90_s": {"median": p90, "ci95": p90_ci}, "e2e_p50_s": {"median": 1.0, "ci95": [1.0, 1.0]},
                 "cached_ratio": {"median": 0.9, "ci95": [0.9, 0.9]}, "errors": 0, "cut_at_deadline": 0}
     summary = {"systems": {
