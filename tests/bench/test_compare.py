@@ -98,3 +98,18 @@ def test_repeats_interleave_rounds_and_report_medians_with_ranges(tmp_path, caps
     assert any("median [min, max] of 2" in n for n in summary["notes"])
     assert "--repeats 2" in summary["command"]
     assert (tmp_path / "logs").is_dir() and len(list((tmp_path / "logs").glob("*/run-*"))) == 4
+
+
+def test_sp_micro_states_sp_p_against_blind_pushing_whatever_the_default_policy(tmp_path):
+    """The SP-P vs BP line of compare-sp-micro is found by pushing mode, not by a variant name
+    that carries the policy (it went missing when the default policy changed)."""
+    from bench.scenarios.compare_sp_micro import sp_vs_bp
+
+    systems = [lb(), lb(pushing="blind")]
+    summary = run_compare(tiny(systems, derived_notes=sp_vs_bp), tmp_path)
+    check_summary(summary, systems)
+    line = next(n for n in summary["notes"] if n.startswith("measured SP-P vs BP:"))
+    p, b = (summary["variants"][s.name] for s in systems)
+    assert f"{p['throughput_rps'] / b['throughput_rps']:.2f}× throughput" in line
+    assert f"cached-token ratio {p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}" in line
+    assert line in (tmp_path / "report.md").read_text()
