@@ -2,9 +2,16 @@
 the third-party routers beside lb's three pushing modes (bench/scenarios/_compare.py).
 
 4 emulated Llama-3-8B on L4 replicas, 30 closed-loop Tree-of-Thoughts clients (2-branch,
-depth 4), lb with the prefix-trie policy and blind / sp-outstanding / sp-pending pushing,
+depth 4), lb with its default policy and blind / sp-outstanding / sp-pending pushing,
 next to SGLang Router, vLLM router, nginx and direct round robin. The replicas run `SPEED`×
 faster than real; lb's probe interval and affinity bounds are divided by the same factor.
+
+Why 2× and not 4×: compressing engine time does not compress a proxy's own time. At 86
+streamed requests a second `lb` spends ~12 ms of wall time per request of its own on this
+2-core machine, ~50 ms of engine time at 4×. Measured 2026-11-27 (3 interleaved runs each): at
+4× `lb`'s TTFT p90 was 1.53× nginx hash-session's; at 2× 0.68× (the full scenario; the
+simulator's direction) at 0.97× its throughput, with the same cached ratio (0.83-0.84 against
+0.90) at both speeds. `compare-tot` moved to 2× for the same reason on 2026-11-25.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from bench.systems import lb
 from lb.core.policies import DEFAULT_POLICY
 
 DESCRIPTION = "selective pushing (blind / SP-O / SP-P through lb) next to SGLang/vLLM router, nginx, direct; ToT"
-SPEED = 4.0
+SPEED = 2.0
 SKYWALKER_SP = "SkyWalker SP-P vs BP: 1.27× throughput, 18.47× lower P90 TTFT, KV hit 89.9% vs 68.9%"
 
 
