@@ -151,7 +151,7 @@ class RoutingConfig:
 @dataclass(frozen=True)
 class ReplicaConfig:
     url: str
-    engine: str = "openai"
+    engine: str = "openai"  # not detected: "openai" has no queue to see, so pushes are capped by pushing.max_outstanding
     models: tuple[str, ...] = ()  # empty: discovered from the replica's /v1/models
     id: str = ""  # defaults to host:port
     api_key: str = ""  # sent upstream as a bearer token instead of the client's
