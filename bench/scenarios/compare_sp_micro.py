@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.report_md import is_lb
 from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare, with_run_options
 from bench.scenarios.sp_micro import CLIENTS, SP_O_MAX_OUTSTANDING
 from bench.systems import lb
@@ -42,7 +43,7 @@ def compare(quick: bool) -> Compare:
 
 def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
     # by system, not by name: the names carry the policy, which the default may change
-    ours = {v["system"].get("pushing"): v for v in variants.values() if (v.get("system") or {}).get("family") == "lb"}
+    ours = {v["system"]["pushing"]: v for v in variants.values() if is_lb(v)}
     b, p = ours.get("blind"), ours.get("sp-pending")
     if not (b and p and b["throughput_rps"] and (p["ttft_s"] or {}).get("p90")):
         return []

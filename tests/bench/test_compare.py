@@ -111,5 +111,6 @@ def test_sp_micro_states_sp_p_against_blind_pushing_whatever_the_default_policy(
     line = next(n for n in summary["notes"] if n.startswith("measured SP-P vs BP:"))
     p, b = (summary["variants"][s.name] for s in systems)
     assert f"{p['throughput_rps'] / b['throughput_rps']:.2f}× throughput" in line
+    assert f"P90 TTFT {p['ttft_s']['p90'] / b['ttft_s']['p90']:.2f}× blind pushing's" in line
     assert f"cached-token ratio {p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}" in line
     assert line in (tmp_path / "report.md").read_text()
