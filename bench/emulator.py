@@ -9,7 +9,7 @@ as a real engine's abort does.
 Faces: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models` and
 `/v1/models/{id}`, `/v1/embeddings`, `/v1/audio/transcriptions|translations`), vLLM's
 `/rerank` (`/v1/rerank`, `/v2/rerank`), `/score` (`/v1/score`), `/tokenize` and
-`/detokenize` (bench/emulator_api.py), SGLang
+`/detokenize` (bench/emulator_api.py), `/reset_prefix_cache` (dev mode's), SGLang
 (`/generate`, `/v1/loads`, `/get_load`, `/server_info`, `/model_info` and their `get_`
 aliases, `/health`, `/health_generate`, `/ping`, `/flush_cache`, `/abort_request`) and one
 `/metrics` carrying both `sglang:*` and `vllm:*` families.
@@ -422,6 +422,7 @@ class Emulator:
         r.add_get("/ping", self.ping)
         r.add_get("/version", self.version)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/reset_prefix_cache", self.flush_cache)  # vLLM's, with VLLM_SERVER_DEV_MODE=1
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/metrics", self.metrics)
         r.add_get("/debug/traceparent", self.last_traceparent)

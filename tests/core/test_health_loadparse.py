@@ -128,6 +128,19 @@ def test_a_real_vllm_0_32_metrics_page_gives_waiting_running_and_free_kv():
     assert v.learned_max_running == 4
 
 
+def test_a_real_vllm_0_25_on_a_gpu_gives_its_free_kv_from_the_cache_config():
+    """Lines captured from vLLM 0.25.1 on an H200 (a Llama-3-8B-shaped model with random weights,
+    `--kv-cache-memory-bytes 8589934592`), idle: its free KV is the 8 GiB over 128 KiB per token
+    (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes), as cache_config_info also says."""
+    from pathlib import Path
+
+    body = (Path(__file__).parent.parent / "data" / "vllm-0.25.1-h200-metrics-idle.txt").read_bytes()
+    load = loadparse.parse_vllm_metrics(body)
+    assert (load.pending, load.running, load.kv_usage) == (0, 0, 0.0)
+    assert load.kv_free_tokens == 8589934592 // (32 * 8 * 128 * 2 * 2) == 65536
+    assert b'kv_cache_size_tokens="65536"' in body and b'block_size="16"' in body
+
+
 def test_samples_finds_only_whole_metric_names_at_line_starts():
     page = (b'vllm:x{engine="0"} 1\n# HELP vllm:x not a sample\nvllm:x_total{engine="0"} 9\n'
             b'vllm:x{engine="1",note="a } b"} 2 1700000000\nother 5\nvllm:x 3')

@@ -1,0 +1,232 @@
+"""Four real vLLM replicas on one GPU machine, `lb` and its alternatives in front, the same ToT load.
+
+    python -m bench.real_vllm.model /tmp/model          # config + tokenizer, no hub access needed
+    python -m bench.real_vllm.fleet vllm /tmp/model OUT [rounds] [duration_s]   # CLIENTS=30 by default
+    python -m bench.real_vllm.fleet emu  -          OUT 1 5   # the same harness over emulators
+
+`vllm` mode starts four `vllm.entrypoints.openai.api_server` processes on 127.0.0.1:8001-8004
+(random weights via `--load-format dummy`, 8 GiB of KV each, so four share one H100/H200), then
+runs `lb` (default policy, SP-P), `lb` with blind pushing, `lb`'s consistent-hash policy (the
+stand-in for nginx `hash $session consistent`) and clients round-robining over the replicas
+directly, `rounds` times interleaved. Every run starts from empty prefix caches (vLLM dev mode's
+`POST /reset_prefix_cache`), reads the engines' own counters before and after (prefix-cache hits,
+preemptions) and samples their running/waiting every 0.25 s. Rows go to OUT/summary.json as
+they finish; logs to OUT/logs.tgz. Not part of the test suite's GPU-free CI beyond `emu` mode.
+"""
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from bench.fleet import free_port
+
+MODE = MODEL = OUT = LOGS = None
+ROUNDS, DURATION = 2, 25.0
+CLIENTS = int(os.environ.get("CLIENTS", "30"))
+N = 4
+PORTS: list[int] = []
+URLS: list[str] = []
+LB = ""  # lb's base URL
+PY = sys.executable
+procs = []
+
+
+def start(name, args, env=None):
+    f = open(LOGS / f"{name}.log", "w")
+    p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                         start_new_session=True)
+    procs.append((name, p))
+    return p
+
+
+def get(url, timeout=5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def post(url):
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except Exception as e:
+        return str(e)
+
+
+def wait(url, proc, timeout, name):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            print(f"{name} exited rc={proc.returncode}; log tail:\n" + (LOGS / f"{name}.log").read_text()[-3000:])
+            raise SystemExit(1)
+        try:
+            if get(url, 2)[0] == 200:
+                return time.time() - t0
+        except Exception:
+            pass
+        time.sleep(0.5)
+    print(f"{name} not ready in {timeout}s; log tail:\n" + (LOGS / f"{name}.log").read_text()[-3000:])
+    raise SystemExit(1)
+
+
+def metric(text, name):
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
+        total += float(m.group(1))
+    return total
+
+
+def counters():
+    c = {"queries": 0.0, "hits": 0.0, "preemptions": 0.0, "prompt": 0.0}
+    for u in URLS:
+        t = get(u + "/metrics")[1]
+        c["queries"] += metric(t, "vllm:prefix_cache_queries_total")
+        c["hits"] += metric(t, "vllm:prefix_cache_hits_total")
+        c["preemptions"] += metric(t, "vllm:num_preemptions_total")
+        c["prompt"] += metric(t, "vllm:prompt_tokens_total")
+    return c
+
+
+class Sampler(threading.Thread):
+    """Every 0.25 s: each engine's running and waiting, as it publishes them."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop, self.rows = threading.Event(), []
+
+    def run(self):
+        while not self.stop.is_set():
+            row = []
+            for u in URLS:
+                try:
+                    t = get(u + "/metrics", 2)[1]
+                    row.append((metric(t, "vllm:num_requests_running"), metric(t, "vllm:num_requests_waiting")))
+                except Exception:
+                    row.append((float("nan"), float("nan")))
+            self.rows.append(row)
+            self.stop.wait(0.25)
+
+    def summary(self):
+        rows = [r for r in self.rows if all(x == x for pair in r for x in pair)]
+        if not rows:
+            return {}
+        load = [[a + b for a, b in r] for r in rows]
+        return {"samples": len(rows), "waiting_max": max(b for r in rows for _, b in r),
+                "waiting_mean": sum(b for r in rows for _, b in r) / len(rows),
+                "running_mean": sum(a for r in rows for a, _ in r) / len(rows),
+                "imbalance_mean": sum(max(l) - min(l) for l in load) / len(load)}
+
+
+def engines():
+    if MODE == "vllm":
+        for i, p in enumerate(PORTS):
+            start(f"engine{i}", [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
+                                 "--served-model-name", "llama-8b-shape", "--port", str(p),
+                                 "--load-format", "dummy", "--enforce-eager",
+                                 "--kv-cache-memory-bytes", str(8 << 30), "--gpu-memory-utilization", "0.2", "--max-model-len", "8192",
+                                 "--enable-prompt-tokens-details", "--seed", str(i)],
+                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    else:
+        for i, p in enumerate(PORTS):
+            start(f"engine{i}", [PY, "-m", "bench.cli", "emulate", "--port", str(p), "--profile",
+                                 "h100-llama3-8b", "--seed", str(i)])
+    t = [wait(u + "/health", p, 240, n) for u, (n, p) in zip(URLS, procs[:N])]
+    print(f"engines ready after {max(t):.0f} s", flush=True)
+    (OUT / "engine0-metrics.txt").write_text(get(URLS[0] + "/metrics")[1])
+
+
+SYSTEMS = {
+    "lb": ("predicted-ttft", "sp-pending"),
+    "lb blind": ("predicted-ttft", "blind"),
+    "lb consistent-hash": ("consistent-hash", "blind"),
+    "direct-rr": None,
+}
+
+
+def run_one(system, rnd):
+    for u in URLS:
+        post(u + "/reset_prefix_cache")
+    lbp, target = None, []
+    if SYSTEMS[system]:
+        policy, pushing = SYSTEMS[system]
+        lbp = start(f"lb-{rnd}-{system.replace(' ', '_')}",
+                    [PY, "-m", "lb.daemon.cli", "serve", "--port", LB.rsplit(":", 1)[1], "--engine", "vllm", "--policy", policy,
+                     "--pushing", pushing, "--admin-token", "t", *[a for u in URLS for a in ("--replica", u)]])
+        wait(LB + "/ready", lbp, 30, "lb")
+        time.sleep(1.0)  # a few probes
+        if rnd == 0 and system == "lb":
+            req = urllib.request.Request(LB + "/admin/replicas", headers={"Authorization": "Bearer t"})
+            (OUT / "lb-admin-replicas.json").write_text(urllib.request.urlopen(req, timeout=5).read().decode())
+        target = ["--target", LB]
+    else:
+        target = [a for u in URLS for a in ("--target", u)]
+    before = counters()
+    s = Sampler(); s.start()
+    rep = OUT / f"run-{rnd}-{system.replace(' ', '_')}.json"
+    t0 = time.time()
+    r = subprocess.run([PY, "-m", "bench.cli", "run", *target, "--workload", "tot", "--clients", str(CLIENTS),
+                        "--duration", str(DURATION), "--seed", "0", "--out", str(rep)],
+                       capture_output=True, text=True)
+    s.stop.set(); s.join()
+    after = counters()
+    if lbp is not None:
+        try:
+            (LOGS / f"lb-metrics-{rnd}-{system.replace(' ', '_')}.txt").write_text(get(LB + "/metrics")[1])
+        except Exception as e:
+            print("lb metrics:", e)
+        os.killpg(lbp.pid, signal.SIGTERM); lbp.wait(10)
+    if r.returncode != 0:
+        print(system, "bench failed", r.returncode, r.stderr[-2000:])
+        return None
+    d = json.loads(rep.read_text()); rep.unlink()
+    q = after["queries"] - before["queries"]
+    row = {"system": system, "round": rnd, "wall_s": round(time.time() - t0, 1), "requests": d["requests"],
+           "ok": d["ok"], "errors": d["errors"], "throughput_rps": d["throughput_rps"],
+           "ttft_p50_ms": d["ttft_s"]["p50"] * 1e3, "ttft_p90_ms": d["ttft_s"]["p90"] * 1e3,
+           "e2e_p50_s": d["e2e_s"]["p50"], "client_cached_ratio": d["cached_token_ratio"],
+           "engine_hit_ratio": (after["hits"] - before["hits"]) / q if q else None,
+           "preemptions": after["preemptions"] - before["preemptions"], **s.summary()}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    global MODE, MODEL, OUT, ROUNDS, DURATION, LOGS, PORTS, URLS, LB
+    MODE, MODEL, OUT = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+    ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    DURATION = float(sys.argv[5]) if len(sys.argv) > 5 else 25
+    LOGS = OUT / "logs"
+    # vLLM: the ports the GPU runs used; emulators (tests): any free ones
+    PORTS = [8001 + i for i in range(N)] if MODE == "vllm" else [free_port() for _ in range(N)]
+    URLS = [f"http://127.0.0.1:{p}" for p in PORTS]
+    LB = f"http://127.0.0.1:{8200 if MODE == 'vllm' else free_port()}"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        engines()
+        rows = []
+        for rnd in range(ROUNDS):
+            order = list(SYSTEMS) if rnd % 2 == 0 else list(reversed(SYSTEMS))
+            for system in order:
+                rows.append(run_one(system, rnd))
+                (OUT / "summary.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        for name, p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except Exception:
+                pass
+        time.sleep(2)
+        subprocess.run(["tar", "czf", str(OUT / "logs.tgz"), "-C", str(OUT), "logs"])
+        subprocess.run(["rm", "-rf", str(LOGS)])
+        print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

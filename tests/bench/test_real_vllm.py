@@ -1,0 +1,53 @@
+"""The real-vLLM harness (bench/real_vllm) end to end over emulators: the GPU run's code path
+without a GPU, so a change that breaks it shows here and not on the next lent machine."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import urllib.request
+
+from bench.fleet import Fleet
+
+
+def test_fleet_harness_runs_every_system_from_empty_caches_and_reads_the_engines_counters(tmp_path):
+    env = {**os.environ, "CLIENTS": "4"}
+    r = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path), "1", "2"],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["system"] for row in rows] == ["lb", "lb blind", "lb consistent-hash", "direct-rr"]
+    for row in rows:
+        assert row["ok"] > 0 and row["errors"] == 0, row
+        assert row["samples"] > 0 and row["running_mean"] > 0, row
+        # the engines' counters, read before and after each run, agree with the clients' usage
+        assert abs(row["engine_hit_ratio"] - row["client_cached_ratio"]) < 1e-9, row
+    replicas = json.loads((tmp_path / "lb-admin-replicas.json").read_text())["replicas"]
+    assert len(replicas) == 4 and all(rep["engine"] == "vllm" and rep["kv_free_tokens"] for rep in replicas)
+    with tarfile.open(tmp_path / "logs.tgz") as tar:
+        assert any(n.endswith("engine0.log") for n in tar.getnames())
+
+
+def _cached(url: str, prompt: str) -> int:
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        usage = json.loads(resp.read())["usage"]
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_emulator_empties_its_prefix_cache_on_vllms_reset_prefix_cache(tmp_path):
+    """What the harness relies on to start every system from empty caches."""
+    prompt = "the same long prompt, again and again " * 40
+    with Fleet(tmp_path) as fleet:
+        emu = fleet.emulator(profile="tiny", speed=10.0)
+        _cached(emu.url, prompt)
+        assert _cached(emu.url, prompt) > 0
+        req = urllib.request.Request(emu.url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.status == 200
+        assert _cached(emu.url, prompt) == 0
