@@ -26,7 +26,7 @@ MODELS_ANNOTATION = "lb/models"  # comma-separated, any characters
 @dataclass(frozen=True)
 class DiscoveryConfig:
     kind: str  # kubernetes: watch EndpointSlices by label selector; dns: resolve SRV or A/AAAA records on an interval
-    engine: str = "openai"  # engine of the replicas found (kubernetes: an "lb/engine" label on the Service overrides it)
+    engine: str = "auto"  # engine of the replicas found, detected by default (kubernetes: an "lb/engine" label on the Service overrides it)
     # Models they serve; empty: an "lb/model" label or "lb/models" annotation on the slice, else each replica's /v1/models
     models: tuple[str, ...] = ()
     scheme: str = "http"  # replica URLs are scheme://address:port

@@ -38,7 +38,7 @@ class ReplicaView:
 
     id: str
     url: str
-    engine: str = "openai"  # sglang | vllm | llamacpp | openai | peer
+    engine: str = "openai"  # auto (until detected) | sglang | vllm | llamacpp | openai | peer
     models: frozenset[str] = frozenset()
     region: str = "local"
     healthy: bool = True

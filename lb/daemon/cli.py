@@ -19,7 +19,7 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="listen port (server.port)")
     p.add_argument("--replica", action="append", metavar="URL",
                    help="a replica's base URL; repeat for several; replaces the file's [[replicas]]")
-    p.add_argument("--engine", choices=ENGINES, help="engine of the --replica URLs (default openai)")
+    p.add_argument("--engine", choices=ENGINES, help="engine of the --replica URLs (default auto: detected from their load endpoints)")
     p.add_argument("--model", action="append", metavar="NAME",
                    help="model the --replica URLs serve (default: discovered from /v1/models)")
     p.add_argument("--policy", help="routing policy (routing.policy), e.g. prefix-trie, consistent-hash, least-load")

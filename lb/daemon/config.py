@@ -1,7 +1,7 @@
 """The daemon's configuration: TOML (stdlib `tomllib`) validated into frozen dataclasses.
 
 A bad config fails at start with the key path and the fix, e.g.
-`replicas[1].engine: 'sglng' is not allowed; use one of: sglang, vllm, llamacpp, openai`.
+`replicas[1].engine: 'sglng' is not allowed; use one of: auto, sglang, vllm, llamacpp, openai`.
 Every knob has a default that works; `config/single-region.toml` shows them all.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from lb.core import engines
+from lb.core.engines import REDETECT_S
 from lb.core.admission import AdmissionConfig
 from lb.core.affinity import AffinityConfig
 from lb.core.breaker import BreakerConfig
@@ -40,7 +42,7 @@ from lb.core.urls import DEFAULT_DENY, parse_deny, url_for_display, url_problem
 from lb.daemon import tls
 from lb.daemon.scaling_hooks import ScalingConfig
 
-ENGINES = ("sglang", "vllm", "llamacpp", "openai")
+ENGINES = engines.ENGINES  # auto, sglang, vllm, llamacpp, openai
 PUSHING_MODES = tuple(p.value for p in Pushing)
 
 
@@ -123,6 +125,9 @@ class ProbeConfig:
     # early re-probes keep probing under this share of a replica's time (probe latency / (latency
     # + gap)): vLLM renders /metrics in 6-17 ms of its API server, and back-to-back probes under load took a third of it
     max_probe_share: float = 0.25
+    # a replica of engine "auto" that showed no load endpoint is asked again this often: it may
+    # have answered before its metrics were up (lb.core.engines)
+    redetect_s: float = REDETECT_S
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ class RoutingConfig:
 @dataclass(frozen=True)
 class ReplicaConfig:
     url: str
-    engine: str = "openai"  # not detected: "openai" has no queue to see, so pushes are capped by pushing.max_outstanding
+    engine: str = "auto"  # detected from its load endpoints (lb.core.engines); "openai": no queue to see, pushes capped by pushing.max_outstanding
     models: tuple[str, ...] = ()  # empty: discovered from the replica's /v1/models
     id: str = ""  # defaults to host:port
     api_key: str = ""  # sent upstream as a bearer token instead of the client's
@@ -262,6 +267,7 @@ def _check(cfg: Config) -> None:
     positive("probes.timeout_s", cfg.probes.timeout_s)
     positive("probes.unhealthy_after", cfg.probes.unhealthy_after)
     positive("probes.healthy_after", cfg.probes.healthy_after)
+    positive("probes.redetect_s", cfg.probes.redetect_s)
     if not 0 < cfg.probes.max_probe_share <= 1:
         raise ConfigError(f"probes.max_probe_share: must be in (0, 1] (a share of the replica's time), "
                           f"got {cfg.probes.max_probe_share}")
@@ -467,7 +473,7 @@ def with_overrides(cfg: Config, *, host: str | None = None, port: int | None = N
     server = replace(cfg.server, **{k: v for k, v in (("host", host), ("port", port), ("admin_token", admin_token)) if v is not None})
     reps = cfg.replicas
     if replicas:
-        reps = tuple(ReplicaConfig(url=u.rstrip("/"), engine=engine or "openai", models=tuple(models or ())) for u in replicas)
+        reps = tuple(ReplicaConfig(url=u.rstrip("/"), engine=engine or "auto", models=tuple(models or ())) for u in replicas)
     elif engine or models:
         reps = tuple(replace(r, **({"engine": engine} if engine else {}), **({"models": tuple(models)} if models else {})) for r in reps)
     cfg = replace(cfg, server=server, replicas=reps,

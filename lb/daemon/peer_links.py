@@ -248,7 +248,7 @@ class Peers:
             if self.dispatcher.available(v):
                 for m in v.models:
                     free[m] = free.get(m, 0) + 1
-        own = [{"id": r.id, "url": r.cfg.url, "engine": r.cfg.engine, "models": sorted(r.view.models)}
+        own = [{"id": r.id, "url": r.cfg.url, "engine": r.view.engine, "models": sorted(r.view.models)}
                for r in self.registry.active() if r.id not in adopted]
         return {"region": self.pc.region, "healthy": healthy, "queue_len": len(self.dispatcher.queue),
                 "free": free, "models": sorted(self.registry.models()), "running": running,
@@ -315,7 +315,7 @@ class Peers:
         action = adoption_action(link.cfg, link.status, bool(link.adopted), now=now, grace_s=self.pc.adopt_after_s)
         if action == "adopt":
             for r in link.replicas:
-                rc = ReplicaConfig(url=r["url"], engine=r.get("engine", "openai"), models=tuple(r.get("models") or ()),
+                rc = ReplicaConfig(url=r["url"], engine=r.get("engine", "auto"), models=tuple(r.get("models") or ()),
                                    id=f"{link.cfg.region}@{r.get('id') or r['url']}")
                 try:
                     self.registry.add(rc)

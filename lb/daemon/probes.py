@@ -1,9 +1,10 @@
 """Engine adapters and the probe loop: every replica's pending/running/KV, every 100 ms.
 
 One task per replica, off the request path (its own connection pool and timeouts). Each
-engine has an ordered list of load endpoints (newest shape first); the adapter remembers the
-one that answered and only falls back when it stops making sense (404, wrong shape), not when
-the replica is down. A replica whose load endpoints all fail but which answers its liveness
+engine has an ordered list of load endpoints (newest shape first, lb.core.engines); the adapter
+remembers the one that answered and only falls back when it stops making sense (404, wrong
+shape), not when the replica is down. A replica of `engine = "auto"` is told apart by those
+endpoints' answers on its first good probe (lb.core.engines.engine_from_answers). A replica whose load endpoints all fail but which answers its liveness
 endpoint stays usable with LB-side outstanding counts only (`reports_pending = False`).
 
 After a push the replica is re-probed early (`probes.early_reprobe_s`), so selective pushing
@@ -19,7 +20,7 @@ from typing import Callable
 import aiohttp
 import orjson
 
-from lb.core import loadparse
+from lb.core.engines import LIVENESS, LOAD_ENDPOINTS, Detected, detection_due, detection_paths, engine_from_answers
 from lb.core.loadparse import EngineLoad
 from lb.core.pushing import early_probe_delay, settle_probe
 from lb.daemon.config import ProbeConfig
@@ -27,19 +28,6 @@ from lb.daemon.registry import Registry, Replica
 from lb.daemon.tls import upstream_ssl
 
 log = logging.getLogger("lb.probes")
-
-Parser = Callable[[bytes], EngineLoad]
-
-LOAD_ENDPOINTS: dict[str, list[tuple[str, Parser]]] = {
-    "sglang": [("/v1/loads", loadparse.parse_sglang_v1_loads),
-               ("/get_load", loadparse.parse_sglang_get_load),
-               ("/metrics", loadparse.parse_sglang_metrics)],
-    "vllm": [("/metrics", loadparse.parse_vllm_metrics)],
-    "llamacpp": [("/metrics", loadparse.parse_llamacpp_metrics)],
-    "openai": [],  # no load endpoint: LB-side outstanding counts only
-}
-LIVENESS = {"sglang": "/health", "vllm": "/health", "llamacpp": "/health", "openai": "/v1/models"}
-
 
 class ProbeFailed(Exception):
     pass
@@ -124,21 +112,19 @@ class Prober:
         outstanding_at_start = view.outstanding
         load: EngineLoad | None = None
         ok = False
-        endpoints = LOAD_ENDPOINTS.get(view.engine, [])
+        found: Detected | None = None
         try:
-            order = list(range(len(endpoints)))
-            order.sort(key=lambda i: i != rep.probe_endpoint)  # the one that worked last, first
-            for i in order:
-                path, parse = endpoints[i]
-                try:
-                    load = parse(await self._get(rep, path))
-                    rep.probe_endpoint = i
-                    break
-                except (ProbeFailed, ValueError, KeyError, TypeError) as e:
-                    log.debug("probe %s %s: %s", rep.id, path, e)
+            engine = view.engine
+            if detection_due(rep.cfg.engine, engine, view.reports_pending, rep.detected_at, t0, self.cfg.redetect_s):
+                found = await self._detect(rep)
+                engine, load = found.engine, found.load
+            else:
+                load = await self._read_load(rep, LOAD_ENDPOINTS.get(engine, []))
             if load is None:
-                await self._get(rep, LIVENESS.get(view.engine, "/health"))
+                await self._get(rep, LIVENESS.get(engine, "/health"))
             ok = True
+            if found is not None:  # only an answering replica's engine is taken (not one mid-start-up)
+                self._adopt(rep, found, t0)
         except (ConnectionError, ProbeFailed) as e:
             log.debug("probe %s failed: %s", rep.id, e)
         elapsed = time.monotonic() - t0
@@ -169,6 +155,36 @@ class Prober:
         if self.metrics:
             self.metrics.probe_done(rep.id, elapsed, ok)
         self.registry.changed()
+
+    async def _read_load(self, rep: Replica, endpoints: list) -> EngineLoad | None:
+        order = list(range(len(endpoints)))
+        order.sort(key=lambda i: i != rep.probe_endpoint)  # the one that worked last, first
+        for i in order:
+            path, parse = endpoints[i]
+            try:
+                load = parse(await self._get(rep, path))
+                rep.probe_endpoint = i
+                return load
+            except (ProbeFailed, ValueError, KeyError, TypeError) as e:
+                log.debug("probe %s %s: %s", rep.id, path, e)
+        return None
+
+    async def _detect(self, rep: Replica) -> Detected:
+        """Read every adapter's load endpoints once: the engine is the one whose shape answered."""
+        answers: dict[str, bytes | None] = {}
+        for path in detection_paths():
+            try:
+                answers[path] = await self._get(rep, path)
+            except ProbeFailed:
+                answers[path] = None  # a 404 here is an answer too: not this engine's endpoint
+        return engine_from_answers(answers)
+
+    def _adopt(self, rep: Replica, found: Detected, now: float) -> None:
+        rep.detected_at = now
+        rep.probe_endpoint = found.endpoint
+        if found.engine != rep.view.engine:
+            log.info("replica %s runs %s (detected; `engine` in its config skips detection)", rep.id, found.engine)
+            rep.view.engine = found.engine
 
     async def _discover_models(self, rep: Replica) -> None:
         try:

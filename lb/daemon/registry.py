@@ -36,6 +36,7 @@ class Replica:
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
     suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
     source: str = ""  # a discovery source that owns it (e.g. "discovery[0]"); "": config file or admin API
+    detected_at: float = 0.0  # when its engine was last detected (engine "auto"; lb.core.engines)
 
     @property
     def id(self) -> str:

@@ -17,7 +17,7 @@ def test_example_config_loads():
 
 
 @pytest.mark.parametrize("doc,needle", [
-    ({"replicas": [{"url": "http://a:1", "engine": "sglng"}]}, "replicas[0].engine: 'sglng' is not allowed; use one of: sglang"),
+    ({"replicas": [{"url": "http://a:1", "engine": "sglng"}]}, "replicas[0].engine: 'sglng' is not allowed; use one of: auto, sglang"),
     ({"replicas": [{"engine": "vllm"}]}, "replicas[0]: missing required key `url`"),
     ({"replicas": [{"url": "a:1"}]}, "replicas[0].url"),
     ({"replicas": [{"url": "http://a:1/v1"}]}, "has a path"),

@@ -19,18 +19,19 @@ import pytest
 from lb.core.pushing import DEFAULT_PUSH_CREDIT
 from tests.llamacpp.llama import (MODEL, SLOTS, LlamaServer, chat, chat_body, get_json, get_metrics,
                                   openai_client, wait_until)
-from tests.procs import Proc, free_port, lb
+from tests.procs import Proc, free_port, lb, metric
 
 pytestmark = pytest.mark.llamacpp
 pytest.importorskip("openai")
 
 
 @contextmanager
-def lb_over(servers: list[LlamaServer], pushing: str = "sp-pending", policy: str = "least-load"):
-    """An lb daemon over `servers` (engine llamacpp); yields its URL once it has a usable
-    replica."""
+def lb_over(servers: list[LlamaServer], pushing: str = "sp-pending", policy: str = "least-load",
+            engine: str = "llamacpp"):
+    """An lb daemon over `servers` (engine llamacpp unless told); yields its URL once it has a
+    usable replica."""
     port = free_port()
-    args = ["serve", "--port", str(port), "--engine", "llamacpp", "--pushing", pushing,
+    args = ["serve", "--port", str(port), "--engine", engine, "--pushing", pushing,
             "--policy", policy]
     for s in servers:
         args += ["--replica", s.url]
@@ -62,6 +63,14 @@ def test_proxies_plain_and_streaming(idle_servers):
         chunks = list(stream)
         assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) > 1
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_an_unset_engine_is_detected_as_llamacpp_from_its_metrics(idle_servers):
+    with lb_over(idle_servers, engine="auto") as lb_url:
+        for s in idle_servers:
+            rid = urlsplit(s.url).netloc
+            wait_until(lambda: metric(lb_url, "lb_replica_engine", replica=rid, engine="llamacpp") == 1.0,
+                       timeout=10.0, what=f"{rid} seen as llama.cpp")
 
 
 def test_client_disconnect_frees_the_llama_slot(idle_servers):
