@@ -4,8 +4,9 @@ One task per replica, off the request path (its own connection pool and timeouts
 engine has an ordered list of load endpoints (newest shape first, lb.core.engines); the adapter
 remembers the one that answered and only falls back when it stops making sense (404, wrong
 shape), not when the replica is down. A replica of `engine = "auto"` is told apart by those
-endpoints' answers on its first good probe (lb.core.engines.engine_from_answers). A replica whose load endpoints all fail but which answers its liveness
-endpoint stays usable with LB-side outstanding counts only (`reports_pending = False`).
+endpoints' answers on its first good probe (lb.core.engines.engine_from_answers). A replica
+whose load endpoints all fail but which answers its liveness endpoint stays usable with
+LB-side outstanding counts only (`reports_pending = False`).
 
 After a push the replica is re-probed early (`probes.early_reprobe_s`), so selective pushing
 learns within milliseconds whether the request was admitted or queued.
