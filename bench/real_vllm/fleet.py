@@ -16,7 +16,6 @@ they finish; logs to OUT/logs.tgz. Not part of the test suite's GPU-free CI beyo
 import json
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +23,8 @@ import threading
 import time
 import urllib.request
 
-from bench.fleet import free_port
+from bench.fleet import free_port, wait_http
+from lb.core.loadparse import prometheus_values
 
 MODE = MODEL = OUT = LOGS = None
 ROUNDS, DURATION = 2, 25.0
@@ -61,25 +61,16 @@ def post(url):
 
 def wait(url, proc, timeout, name):
     t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            print(f"{name} exited rc={proc.returncode}; log tail:\n" + (LOGS / f"{name}.log").read_text()[-3000:])
-            raise SystemExit(1)
-        try:
-            if get(url, 2)[0] == 200:
-                return time.time() - t0
-        except Exception:
-            pass
-        time.sleep(0.5)
-    print(f"{name} not ready in {timeout}s; log tail:\n" + (LOGS / f"{name}.log").read_text()[-3000:])
-    raise SystemExit(1)
+    try:
+        wait_http(url, timeout, proc)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"{name}: {e}; log tail:\n" + (LOGS / f"{name}.log").read_text()[-3000:])
+        raise SystemExit(1)
+    return time.time() - t0
 
 
 def metric(text, name):
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
-        total += float(m.group(1))
-    return total
+    return prometheus_values(text.encode(), [name]).get(name, 0.0)
 
 
 def counters():

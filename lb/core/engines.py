@@ -10,8 +10,8 @@ shape is the engine; no adapter's shape means an OpenAI-compatible server with n
 (`vllm:` names), llama.cpp on `/metrics` when started with `--metrics` (`llamacpp:` names).
 
 An operator who leaves the engine out was, before detection, scheduled as "openai": blind to
-the replica's queue, so selective pushing fell back to outstanding counts (in sp-micro's setup
-72 against 88 req/s, p90 1,349 against 167 ms). A replica found to have no load endpoint is
+the replica's queue, so selective pushing fell back to outstanding counts (docs/results.md,
+"Where lb falls short"). A replica found to have no load endpoint is
 asked again every `probes.redetect_s` (`REDETECT_S` by default): it may have answered before its
 metrics were up.
 """
@@ -24,6 +24,7 @@ from lb.core import loadparse
 from lb.core.loadparse import EngineLoad
 
 Parser = Callable[[bytes], EngineLoad]
+SHAPE_ERRORS = (ValueError, KeyError, TypeError)  # what a parser raises on an answer not in its shape
 
 AUTO = "auto"
 LOAD_ENDPOINTS: dict[str, list[tuple[str, Parser]]] = {
@@ -61,7 +62,7 @@ def engine_from_answers(answers: Mapping[str, bytes | None]) -> Detected:
                 continue
             try:
                 return Detected(engine, i, parse(body))
-            except (ValueError, KeyError, TypeError):
+            except SHAPE_ERRORS:
                 continue  # not this adapter's shape
     return Detected("openai")
 

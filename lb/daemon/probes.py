@@ -21,7 +21,8 @@ from typing import Callable
 import aiohttp
 import orjson
 
-from lb.core.engines import LIVENESS, LOAD_ENDPOINTS, Detected, detection_due, detection_paths, engine_from_answers
+from lb.core.engines import (LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
+                             engine_from_answers)
 from lb.core.loadparse import EngineLoad
 from lb.core.pushing import early_probe_delay, settle_probe
 from lb.daemon.config import ProbeConfig
@@ -166,7 +167,7 @@ class Prober:
                 load = parse(await self._get(rep, path))
                 rep.probe_endpoint = i
                 return load
-            except (ProbeFailed, ValueError, KeyError, TypeError) as e:
+            except (ProbeFailed, *SHAPE_ERRORS) as e:
                 log.debug("probe %s %s: %s", rep.id, path, e)
         return None
 
