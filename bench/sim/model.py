@@ -160,7 +160,7 @@ class SimReplica:
 
     def became_ready(self) -> None:
         self.view.healthy = True
-        self.view.last_probe_at = self.loop.now
+        self.probe_now()  # the daemon turns a replica healthy at its first good probe
         self.lb.replica_ready(self)
 
     def drain(self) -> None:
@@ -409,6 +409,8 @@ class SimLB:
         if rep.ready_at > self.loop.now:
             rep.view.healthy = False
             self.loop.at(rep.ready_at, rep.became_ready)
+        else:  # serving from the start: probed before any request, as the daemon's /ready waits for
+            rep.probe_now()
 
     def replica_ready(self, rep: SimReplica) -> None:
         self.dispatch()

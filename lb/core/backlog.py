@@ -55,6 +55,11 @@ class Backlog:
         self.alpha, self.min_samples, self.max_tracked = alpha, min_samples, max_tracked
         self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
         self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
+        # request id → target of the pushes whose first token came back and that have not
+        # ended, and their count per target: the engine holds them or has finished them, so
+        # none of them is still on its way there (lb.core.pushing.settle_probe)
+        self._answering: OrderedDict[str, str] = OrderedDict()
+        self.answering: dict[str, int] = {}
         # (assumed end of prefill, tiebreak, request id, its push): a heap, for pushes not streamed
         self._expiring: list[tuple[float, int, str, _Push]] = []
         self._seq = itertools.count()
@@ -70,6 +75,7 @@ class Backlog:
         retry of the same id replaces its earlier push). `expires_at`: when to assume its
         prefill done if no first token says so (a request that is not streamed)."""
         self._release(request_id)
+        self._unanswer(request_id)
         ahead = self.ahead.get(target_id, 0.0) + tokens
         self.ahead[target_id] = ahead
         push = self._open[request_id] = _Push(target_id, tokens, ahead, now)
@@ -81,7 +87,13 @@ class Backlog:
     def first_token(self, request_id: str, now: float) -> None:
         """Its first token came back now: its prefill is done, and it is a sample of the fit."""
         push = self._release(request_id)
-        if push is None or now < push.at:
+        if push is None:
+            return
+        self._answering[request_id] = push.target
+        self.answering[push.target] = self.answering.get(push.target, 0) + 1
+        while len(self._answering) > self.max_tracked:
+            self._unanswer(next(iter(self._answering)))
+        if now < push.at:
             return
         y = now - push.at
         predicted = self.predict_work(push.x)
@@ -108,14 +120,27 @@ class Backlog:
             heapq.heapify(self._expiring)
 
     def ended(self, request_id: str) -> None:
-        """It ended without a first token we saw (not streamed, failed, cancelled): its work
-        is no longer ahead of anyone; nothing is learned."""
+        """It ended (answered, failed, cancelled): its work is no longer ahead of anyone and
+        it no longer runs there. One that ended without a first token we saw teaches nothing."""
         self._release(request_id)
+        self._unanswer(request_id)
+
+    def _unanswer(self, request_id: str) -> None:
+        target = self._answering.pop(request_id, None)
+        if target is not None:
+            left = self.answering[target] - 1
+            if left:
+                self.answering[target] = left
+            else:
+                del self.answering[target]
 
     def forget(self, target_id: str) -> None:
         self.ahead.pop(target_id, None)
+        self.answering.pop(target_id, None)
         for rid in [rid for rid, p in self._open.items() if p.target == target_id]:
             del self._open[rid]
+        for rid in [rid for rid, t in self._answering.items() if t == target_id]:
+            del self._answering[rid]
 
     def _release(self, request_id: str) -> _Push | None:
         push = self._open.pop(request_id, None)

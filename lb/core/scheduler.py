@@ -265,6 +265,11 @@ class Scheduler:
         """A placed request ended (answered, failed, cancelled): nothing of it is ahead now."""
         self.backlog.ended(request_id)
 
+    def answering(self, target_id: str) -> int:
+        """The target's placed requests whose first token came back and that have not ended:
+        none of them is still on its way there (what `settle_probe` needs at a probe's start)."""
+        return self.backlog.answering.get(target_id, 0)
+
     def advertise(self, targets: Iterable[Target], now: float) -> dict[str, dict]:
         """model → what a peer needs to predict a forward's TTFT here (`ttft` in
         `/lb/peer/status`): the fit and the work ahead on each replica that takes one now,

@@ -56,6 +56,7 @@ class Dispatcher:
         self.overflow = None
         registry.on_change(self.wake)
         registry.wants_probe = self.scheduler.wants_probe
+        registry.answering = self.scheduler.answering
         registry.on_add(lambda rep: self.scheduler.register(rep.id))
         registry.on_gone(lambda rep: self.scheduler.forget(rep.id))
 

@@ -112,6 +112,7 @@ class Prober:
         t0 = time.monotonic()
         view = rep.view
         outstanding_at_start = view.outstanding
+        answering_at_start = self.registry.answering(rep.id)
         load: EngineLoad | None = None
         ok = False
         found: Detected | None = None
@@ -149,7 +150,8 @@ class Prober:
             else:
                 view.kv_free_tokens = view.max_running = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)
-            settle_probe(view, t0, outstanding_at_start, pending, running, self.cfg.early_reprobe_s)
+            settle_probe(view, t0, outstanding_at_start, pending, running, self.cfg.early_reprobe_s,
+                         answering_at_start)
             for fn in self.on_probe:
                 fn(rep, load, t0)
         if view.healthy != was_healthy:

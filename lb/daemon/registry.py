@@ -53,6 +53,9 @@ class Registry:
         # does an answer that just ended call for an early probe? (the scheduler's
         # `wants_probe`, set by the dispatcher; without one, always)
         self.wants_probe: Callable[[ReplicaView], bool] = lambda view: True
+        # how many of a replica's requests have their first token back and have not ended (the
+        # scheduler's `answering`, set by the dispatcher): none of them is on its way there
+        self.answering: Callable[[str], int] = lambda replica_id: 0
 
     # -- listeners -------------------------------------------------------------------------
     def on_change(self, fn: Callable[[], None]) -> None:

@@ -285,3 +285,25 @@ def test_advertise_offers_only_replicas_that_take_a_request_now():
     ad = s.advertise([free, full], NOW)
     assert ad["m"]["ahead"] == [700] and ad["m"]["per_token_s"] == pytest.approx(PER_TOKEN, rel=1e-3)
     assert Scheduler(SchedulerConfig(), make_policy("least-load"), make_queue("fcfs")).advertise([free], NOW) == {}
+
+
+def test_answering_counts_each_target_s_requests_from_their_first_token_to_their_end():
+    b = Backlog(max_tracked=3)
+    for rid, target in (("a", "r1"), ("b", "r1"), ("c", "r2")):
+        b.placed(rid, target, 100, NOW)
+    assert b.answering == {}  # pushed, no first token yet: they may still be on the wire
+    b.first_token("a", NOW + 0.1)
+    b.first_token("a", NOW + 0.2)  # later progress of the same stream counts once
+    b.first_token("c", NOW + 0.1)
+    assert b.answering == {"r1": 1, "r2": 1}
+    b.ended("a")
+    b.ended("b")  # ended without a first token: never answering
+    assert b.answering == {"r2": 1}
+    b.placed("c", "r1", 100, NOW + 1)  # a retry elsewhere starts over
+    assert b.answering == {}
+    for i in range(5):  # bounded: the oldest are dropped
+        b.placed(f"x{i}", "r3", 10, NOW + 2)
+        b.first_token(f"x{i}", NOW + 3)
+    assert b.answering == {"r3": 3}
+    b.forget("r3")
+    assert b.answering == {}

@@ -191,3 +191,24 @@ def test_early_probes_keep_probing_under_a_share_of_the_replicas_time():
     # time already passed since that probe counts toward the gap
     assert abs(early_probe_delay(0.002, probe_s=0.017, since_probe_s=0.040, max_share=0.25) - 0.011) < 1e-9
     assert early_probe_delay(0.002, probe_s=0.017, since_probe_s=1.0, max_share=0.25) == 0.002
+
+
+def test_answers_the_engine_finished_before_the_lb_heard_their_end_are_not_on_the_wire():
+    """A probe counts what the engine holds; the LB's in-flight requests it does not count are
+    on their way there, unless their first token already came back: those the engine has, or
+    has finished while their tail is still relayed (seen live: one probe in eight counted up
+    to 24 finished answers, 0.1-2.7 s old, as pushes on the wire)."""
+    from lb.core.pushing import record_push, settle_probe
+
+    v = view(kv_free_tokens=10**6)
+    for i in range(10):
+        record_push(v, 300, 1.0 + i * 0.1)  # ten pushes, long before the probe
+    # the engine finished eight whose ends the LB has not relayed yet; two still run
+    settle_probe(v, 3.0, 10, load_pending=0, load_running=2, early_reprobe_s=0.002, answering_at_start=10)
+    assert v.pushed_since_probe == 0 and v.pushed_tokens_since_probe == 0
+    # one of them had no first token back yet: it may still be on its way
+    settle_probe(v, 3.1, 10, load_pending=0, load_running=2, early_reprobe_s=0.002, answering_at_start=9)
+    assert v.pushed_since_probe == 1 and v.pushed_tokens_since_probe == 300
+    # a caller that cannot tell (no first tokens known): every push the engine does not hold
+    settle_probe(v, 3.2, 10, load_pending=0, load_running=2, early_reprobe_s=0.002)
+    assert v.pushed_since_probe == 8
