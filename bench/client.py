@@ -269,7 +269,7 @@ class Bench:
             if ticker:
                 ticker.cancel()
                 sys.stdout.write("\n")
-        return run_report(self.records, duration, workload=self.workload.name, model=self.model,
+        return run_report(self.records, duration, self.duration, workload=self.workload.name, model=self.model,
                           clients=self.clients if not is_open_loop(self.workload) else None,
                           time_scale=self.time_scale), self.records
 

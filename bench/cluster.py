@@ -223,7 +223,7 @@ async def run_clients(tb: Testbed, duration_s: float, *, progress: bool = False)
     results = await asyncio.gather(*jobs.values())
     per_region = {name: result for name, (result, _) in zip(jobs, results)}
     records = [rec for _, recs in results for rec in recs]
-    combined = run_report(records, max(res["duration_s"] for res in per_region.values()), workload=spec.workload,
+    combined = run_report(records, max(res["duration_s"] for res in per_region.values()), duration_s, workload=spec.workload,
                           clients=sum(r.clients for r in spec.regions))
     return per_region, combined
 

@@ -25,6 +25,15 @@ COLUMNS: list[tuple[str, tuple[str, ...], float, str, bool]] = [
     ("errors", ("errors",), 1, "{:.0f}", False),
 ]
 
+# The same runs after their first fifth (`steady` in the run JSON, bench.stats.steady_summary):
+# what the simulator's `sim-compare` measures.
+STEADY_COLUMNS: list[tuple[str, tuple[str, ...], float, str, bool]] = [
+    ("req/s", ("steady", "throughput_rps"), 1, "{:.2f}", True),
+    ("TTFT p50 ms", ("steady", "ttft_s", "p50"), 1000, "{:.0f}", False),
+    ("TTFT p90 ms", ("steady", "ttft_s", "p90"), 1000, "{:.0f}", False),
+    ("cached", ("steady", "cached_token_ratio"), 1, "{:.3f}", True),
+]
+
 
 def value(run: dict, path: tuple[str, ...], scale: float = 1) -> float | None:
     v = run
@@ -53,12 +62,12 @@ def _cell(v: float | None, best: float | None, fmt: str, scale: float) -> str:
     return text
 
 
-def table(variants: dict[str, dict]) -> str:
-    rows = ["| system | " + " | ".join(c[0] for c in COLUMNS) + " |",
-            "|---|" + "---:|" * len(COLUMNS)]
-    bests = {c[0]: best_peer(variants, c[1], c[4]) for c in COLUMNS}
+def table(variants: dict[str, dict], columns=COLUMNS) -> str:
+    rows = ["| system | " + " | ".join(c[0] for c in columns) + " |",
+            "|---|" + "---:|" * len(columns)]
+    bests = {c[0]: best_peer(variants, c[1], c[4]) for c in columns}
     for name, run in variants.items():
-        cells = [_cell(value(run, path), bests[h], fmt, scale) for h, path, scale, fmt, _ in COLUMNS]
+        cells = [_cell(value(run, path), bests[h], fmt, scale) for h, path, scale, fmt, _ in columns]
         rows.append(f"| {'**' + name + '**' if is_lb(run) else name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -102,6 +111,11 @@ def scenario_markdown(summary: dict, plots: dict[str, str] | None = None, level:
                 "req/s, tok/s and cached ratio, lowest latency, imbalance and errors). `imbalance`: mean over "
                 "samples every 0.25 s of (max − min) running + waiting requests across replicas.", ""]
         out += headline(variants) + [""]
+        if any(value(r, ("steady", "throughput_rps")) for r in variants.values()):
+            warm = max(value(r, ("steady", "from_s")) or 0.0 for r in variants.values())
+            out += [f"After the warm-up (requests from {warm:.0f} s on, the first fifth of the run left out as "
+                    "the simulator does; throughput over the answers that ended after it):", "",
+                    table(variants, STEADY_COLUMNS), ""]
     for name, reason in (summary.get("skipped") or {}).items():
         out.append(f"- skipped **{name}**: {reason}")
     if summary.get("skipped"):

@@ -31,7 +31,9 @@ SAMPLE_EVERY_S = 0.25
 DEFAULT_REPEATS = 3
 # Other work than the run's own processes above this many cores during a run: say so.
 FOREIGN_CORES_WARN = 0.3
-REPEATED = (("throughput_rps",), ("ttft_s", "p50"), ("ttft_s", "p90"), ("e2e_s", "p50"))
+REPEATED = (("throughput_rps",), ("ttft_s", "p50"), ("ttft_s", "p90"), ("e2e_s", "p50"),
+            ("steady", "throughput_rps"), ("steady", "ttft_s", "p50"), ("steady", "ttft_s", "p90"),
+            ("steady", "cached_token_ratio"))
 PAPER_REGIONS = ("us", "eu", "asia")
 # SkyWalker's inter-region one-way latencies (as in scenario regional-skew), before time compression
 PAPER_LATENCY_MS = {"us-eu": 40, "us-asia": 80, "eu-asia": 90}
@@ -175,7 +177,7 @@ async def _regional_clients(c: Compare, targets: dict[str, list[str]]) -> dict:
             for i, r in enumerate(c.regions) if r.clients > 0}
     results = await asyncio.gather(*jobs.values())
     records = [rec for _, recs in results for rec in recs]
-    combined = run_report(records, max(res["duration_s"] for res, _ in results), workload=c.workload,
+    combined = run_report(records, max(res["duration_s"] for res, _ in results), c.duration_s, workload=c.workload,
                           clients=sum(r.clients for r in c.regions))
     combined["per_region"] = {name: {k: res[k] for k in ("ok", "errors", "throughput_rps", "ttft_s", "e2e_s")}
                               for name, (res, _) in zip(jobs, results)}

@@ -114,3 +114,34 @@ def test_sp_micro_states_sp_p_against_blind_pushing_whatever_the_default_policy(
     assert f"P90 TTFT {p['ttft_s']['p90'] / b['ttft_s']['p90']:.2f}× blind pushing's" in line
     assert f"cached-token ratio {p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}" in line
     assert line in (tmp_path / "report.md").read_text()
+
+
+def test_steady_state_leaves_out_the_first_fifth_and_the_drain_as_the_simulator_does():
+    from bench.stats import RequestRecord, run_report
+
+    def rec(i: int, start: float, e2e: float, cached: int) -> RequestRecord:
+        return RequestRecord(f"r{i}", start, ok=True, ttft=0.1 * (1 + start), e2e=e2e, prompt_tokens=100,
+                             cached_tokens=cached, output_tokens=10)
+
+    # a cold start (nothing cached, slow answers), then a steady state, then the drain after 10 s
+    records = [rec(0, 0.0, 2.5, 0), rec(1, 0.5, 2.0, 0)]
+    records += [rec(2 + i, 2.0 + i, 1.0, 90) for i in range(8)]  # sent 2..9 s, ended 3..10 s
+    records += [rec(10, 9.5, 3.0, 90)]  # sent in the window, ended in the drain
+    report = run_report(records, 12.5, 10.0)
+    steady = report["steady"]
+    assert steady["from_s"] == 2.0
+    # answers that ended in [2, 10]: the two cold ones (2.5 s and 2.5 s) and the eight
+    assert steady["throughput_rps"] == 10 / 8.0
+    assert steady["cached_token_ratio"] == 0.9  # the cold starts and the drained one left out
+    assert steady["ttft_s"]["p50"] == pytest.approx(0.1 * (1 + 5.5))  # the median of those sent at 2..9 s
+    assert report["cached_token_ratio"] < steady["cached_token_ratio"]  # the whole run counts them
+
+
+def test_the_comparison_report_shows_the_steady_state_beside_the_whole_run():
+    runs = {name: {"system": {"family": fam}, "throughput_rps": thr, "ttft_s": {"p50": 0.1, "p90": 0.2},
+                   "steady": {"from_s": 4.0, "throughput_rps": thr * 1.1, "ttft_s": {"p50": 0.1, "p90": p90},
+                              "cached_token_ratio": cached}}
+            for name, fam, thr, p90, cached in (("lb", "lb", 40.0, 0.3, 0.89), ("ring", "nginx", 42.0, 0.5, 0.9))}
+    text = report_md.scenario_markdown({"title": "t", "variants": runs})
+    steady = text.split("After the warm-up (requests from 4 s on")[1]
+    assert "| **lb** | 44.00 (0.95×) | 100 (1.00×) | 300 (0.60×) | 0.890 (0.99×) |" in steady
