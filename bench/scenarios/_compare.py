@@ -91,6 +91,7 @@ class Compare:
     quick: bool = False
     repeats: int = 1  # interleaved runs per system (lb-bench scenario compare-* --repeats N)
     stream: bool = True  # False: clients ask for whole answers (--no-stream)
+    options: list[str] = field(default_factory=list)  # the command line's other options, for the report
     notes: list[str] = field(default_factory=list)
     paper: list[str] = field(default_factory=list)  # the seed papers' headline numbers
     derived_notes: Callable[[dict[str, dict]], list[str]] | None = None  # variants → measured headline notes
@@ -259,15 +260,33 @@ def foreign_cores(machine: dict) -> float:
     return round(max(0.0, machine.get("host_cores_busy", 0.0) - machine.get("cores_used", 0.0)), 3)
 
 
-def with_run_options(c: Compare, repeats: int | None, stream: bool = True) -> Compare:
+def with_run_options(c: Compare, repeats: int | None, stream: bool = True, duration: float | None = None,
+                     systems: str | None = None) -> Compare:
     """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
-    for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers."""
+    for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers.
+    `--duration S`: each run's length (a longer one has a longer steady state after its
+    warm-up). `--systems A,B`: only the systems of those names (as the report lists them)."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
     c.repeats = n
     c.stream = stream
+    if duration is not None:
+        if duration <= 0:
+            raise SystemExit("--duration must be > 0")
+        c.duration_s = duration
+        c.options.append(f"--duration {duration:g}")
+    if systems:
+        wanted = [name.strip() for name in systems.split(",") if name.strip()]
+        known = {s.name: s for s in c.systems}
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            raise SystemExit(f"--systems: unknown {', '.join(map(repr, unknown))}; this scenario runs "
+                             + ", ".join(map(repr, known)))
+        c.systems = [known[name] for name in wanted]
+        c.options.append(f"--systems '{','.join(wanted)}'")
     if not stream:
+        c.options.append("--no-stream")
         c.notes = [*c.notes, "clients ask for whole answers (stream: false): no TTFT, compare E2E"]
     return c
 
@@ -323,7 +342,8 @@ def run_compare(c: Compare, out_dir: Path) -> dict:
             notes.append(f"{name}: throughput {_fmt(thr)} req/s, TTFT p90 {_fmt(p90, 1000)} ms "
                          f"(median [min, max] of {len(f['throughput_rps']['runs'])})")
     summary = {"title": c.title,
-               "command": f"lb-bench scenario {c.scenario}{' --quick' if c.quick else ''} --repeats {rounds} --out {out_dir}",
+               "command": f"lb-bench scenario {c.scenario}{' --quick' if c.quick else ''} --repeats {rounds} "
+                          + "".join(f"{o} " for o in c.options) + f"--out {out_dir}",
                "baseline": next((n for n in variants if variants[n]["system"]["family"] == "lb"),
                                                    next(iter(variants), None)),
                "variants": variants, "skipped": skipped, "warnings": warnings,

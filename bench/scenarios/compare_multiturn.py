@@ -35,5 +35,6 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
+        duration: float | None = None, systems: str | None = None) -> dict:
+    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)

@@ -52,5 +52,6 @@ def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
             f"{p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}"]
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream), out_dir)
+def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
+        duration: float | None = None, systems: str | None = None) -> dict:
+    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)

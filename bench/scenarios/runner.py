@@ -57,7 +57,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list scenarios with one line each")
     parser.add_argument("--repeats", type=int, metavar="N",
                         help="compare-* scenarios: runs per system, interleaved (default 3; --quick 1)")
-    parser.add_argument("--duration", type=float, metavar="S", help="run time in seconds, for scenarios that take one (chaos)")
+    parser.add_argument("--duration", type=float, metavar="S",
+                        help="run time in seconds, for scenarios that take one (chaos, compare-*)")
+    parser.add_argument("--systems", metavar="A,B",
+                        help="compare-* scenarios: only these systems (comma-separated names as the report lists them)")
     parser.add_argument("--no-stream", action="store_true",
                         help="compare-* scenarios: clients ask for whole answers (stream: false)")
 
@@ -111,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --repeats", file=sys.stderr)
             return 2
         extra["repeats"] = args.repeats
+    if getattr(args, "systems", None):
+        if "systems" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --systems", file=sys.stderr)
+            return 2
+        extra["systems"] = args.systems
     if getattr(args, "no_stream", False):
         if "stream" not in inspect.signature(module.run).parameters:
             print(f"scenario {args.name} does not take --no-stream", file=sys.stderr)

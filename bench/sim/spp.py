@@ -21,7 +21,8 @@ import numpy as np
 from dataclasses import replace
 
 from bench.sim.clients import Programs
-from bench.sim.compare import make_arena, median_ci
+from bench.sim.compare import WARM_SHARE, make_arena, median_ci
+from bench.sim.compare import systems as sim_systems
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.workloads_sim import TOT, get
 from bench.workloads import make_workload
@@ -30,8 +31,10 @@ SYSTEMS = ("lb", "lb blind", "sglang-router cache_aware")
 CLIENTS = 30
 
 
-def run_one(args: tuple[str, int, float, int, str, int]) -> dict:
-    system, seed, duration_s, clients, profile, output_tokens = args
+def run_one(args: tuple) -> dict:
+    """args: (system, seed, duration_s, clients, profile, output_tokens[, warm_share])."""
+    system, seed, duration_s, clients, profile, output_tokens, *rest = args
+    warm_share = rest[0] if rest else WARM_SHARE
     workload = get("tot")
     fleet = replace(workload.fleet, profile=profile)
     arena = make_arena("tot", system, seed, fleet=fleet)
@@ -40,7 +43,7 @@ def run_one(args: tuple[str, int, float, int, str, int]) -> dict:
     Programs(arena, programs, stop_at=duration_s).clients({"local": clients})
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
-    warm = duration_s / 5  # the trees of all clients start in step: skip the first fifth
+    warm = duration_s * warm_share  # the trees of all clients start in step: skip the first fifth
     done = [d for d in arena.done if warm <= d.sent_at and d.sent_at + d.e2e <= duration_s]
     # Throughput counts every completion in the window. The latency figures take only requests
     # sent inside it (whole), which undercounts completions by what is in flight at the end:
@@ -72,9 +75,9 @@ FIGURES = ("throughput_rps", "e2e_mean_s", "ttft_p50_s", "ttft_p90_s", "cached_r
            "waiting_max", "evicted_tokens", "lost_while_waiting", "preemptions")
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], systems: tuple[str, ...] = SYSTEMS) -> dict:
     return {s: {f: median_ci([r[f] for r in runs if r["system"] == s]) for f in FIGURES}
-            for s in SYSTEMS}
+            for s in systems}
 
 
 def table(summary: dict) -> str:
@@ -103,13 +106,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", choices=("l4-llama3-8b", "l4-llama3-8b-sglang"), default="l4-llama3-8b-sglang",
                     help="engine profile: SGLang's scheduler (the paper's engine) or the fixed-reserve FCFS one")
     ap.add_argument("--output-tokens", type=int, default=TOT["output_tokens"], help="max_tokens of each thought")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated (default {','.join(SYSTEMS)}; any of `lb-bench sim-compare`'s)")
+    ap.add_argument("--warm-share", type=float, default=WARM_SHARE,
+                    help="share of the run left out as warm-up (default 0.2; 0: the whole run, as a live "
+                         "run of that length from an empty fleet measures it)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens) for seed in range(a.seeds) for s in SYSTEMS]
+    chosen = tuple(s.strip() for s in a.systems.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in sim_systems()]
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(sim_systems())}")
+    if not 0 <= a.warm_share < 1:
+        ap.error("--warm-share must be in [0, 1)")
+    jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share)
+            for seed in range(a.seeds) for s in chosen]
     with ProcessPoolExecutor(a.workers) as pool:
         runs = list(pool.map(run_one, jobs))
-    summary = summarize(runs)
+    summary = summarize(runs, chosen)
     text = table(summary)
     print(text)
     if a.out:

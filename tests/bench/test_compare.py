@@ -145,3 +145,16 @@ def test_the_comparison_report_shows_the_steady_state_beside_the_whole_run():
     text = report_md.scenario_markdown({"title": "t", "variants": runs})
     steady = text.split("After the warm-up (requests from 4 s on")[1]
     assert "| **lb** | 44.00 (0.95×) | 100 (1.00×) | 300 (0.60×) | 0.890 (0.99×) |" in steady
+
+
+def test_a_comparison_can_run_some_of_its_systems_for_longer_and_says_so():
+    from bench.scenarios import compare_sp_micro
+    from bench.scenarios._compare import with_run_options
+
+    c = with_run_options(compare_sp_micro.compare(False), 2, duration=60,
+                         systems="nginx hash-session, lb predicted-ttft/sp-pending")
+    assert [s.name for s in c.systems] == ["nginx hash-session", "lb predicted-ttft/sp-pending"]
+    assert c.duration_s == 60 and c.repeats == 2
+    assert c.options == ["--duration 60", "--systems 'nginx hash-session,lb predicted-ttft/sp-pending'"]
+    with pytest.raises(SystemExit, match="unknown 'nginx hash'.*'nginx hash-session'"):
+        with_run_options(compare_sp_micro.compare(False), 1, systems="nginx hash")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.sim.peer_policies import (CacheAware, LitellmLeastBusy, LitellmShuffle, LlmdScorers, NginxHashConsistent,
                                      NginxLeastConn, PeerRequest, PowerOfTwo, RoundRobin, VllmConsistentHash)
 
@@ -268,3 +270,18 @@ def test_a_childs_prompt_finds_its_parents_sampled_answer_cached_and_no_other_tr
     # that asked the same question (200 questions; with one fixed answer token they matched)
     children = [(d, done[parent(i)]) for i, d in done.items() if not i.endswith("root") and parent(i) in done]
     assert all(d.cached_tokens <= (p.prompt_tokens + p.output_tokens) // block * block + block for d, p in children)
+
+
+def test_the_sp_p_reproduction_runs_named_systems_over_the_whole_run_or_its_steady_state(tmp_path, capsys):
+    from bench.sim import spp
+
+    with pytest.raises(SystemExit):
+        spp.main(["--systems", "lb,no-such-router"])
+    assert "unknown no-such-router" in capsys.readouterr().err
+    whole = spp.run_one(("nginx hash-session", 0, 20.0, 30, "l4-llama3-8b", 64, 0.0))
+    steady = spp.run_one(("nginx hash-session", 0, 20.0, 30, "l4-llama3-8b", 64, 0.2))
+    # a cold fleet's first seconds (every tree starting at once, nothing cached) count only in the whole run
+    assert whole["cached_ratio"] < steady["cached_ratio"]
+    spp.main(["--seeds", "1", "--duration", "10", "--systems", "nginx hash-session", "--warm-share", "0",
+              "--workers", "1", "--out", str(tmp_path)])
+    assert "| nginx hash-session |" in (tmp_path / "table.md").read_text()
