@@ -14,9 +14,6 @@ from aiohttp import web
 
 
 def app(metrics: Path) -> web.Application:
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "standin"}]})
-
     async def page(request: web.Request) -> web.Response:
         if not metrics.exists():
             raise web.HTTPNotFound()
@@ -28,10 +25,20 @@ def app(metrics: Path) -> web.Application:
                                                "finish_reason": "stop"}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
+    return standin_app(chat, {"/metrics": page})
+
+
+def standin_app(chat, pages: dict) -> web.Application:
+    """What every stand-in serves: one model (`m`) on /v1/models, /health, its `pages`
+    (path → GET handler: the load endpoints it plays) and its chat completions."""
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "standin"}]})
+
     a = web.Application()
     a.router.add_get("/v1/models", models)
     a.router.add_get("/health", lambda r: web.Response(text="ok"))
-    a.router.add_get("/metrics", page)
+    for path, handler in pages.items():
+        a.router.add_get(path, handler)
     a.router.add_post("/v1/chat/completions", chat)
     return a
 

@@ -17,12 +17,11 @@ import time
 
 from aiohttp import web
 
+from tests.daemon.engine_standin import standin_app
+
 
 def app(tail_s: float) -> web.Application:
     state = {"running": 0}
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "standin"}]})
 
     async def get_load(request: web.Request) -> web.Response:
         return web.json_response([{"num_reqs": state["running"], "num_waiting_reqs": 0, "num_tokens": 0}])
@@ -51,12 +50,7 @@ def app(tail_s: float) -> web.Application:
         await resp.write_eof()
         return resp
 
-    a = web.Application()
-    a.router.add_get("/v1/models", models)
-    a.router.add_get("/health", lambda r: web.Response(text="ok"))
-    a.router.add_get("/get_load", get_load)
-    a.router.add_post("/v1/chat/completions", chat)
-    return a
+    return standin_app(chat, {"/get_load": get_load})
 
 
 if __name__ == "__main__":
