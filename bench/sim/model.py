@@ -211,6 +211,8 @@ class SimReplica:
         v = self.view
         v.pending, v.running, v.kv_usage, v.kv_free_tokens = state
         v.last_probe_at = at
+        # No `answering_at_start`: the simulated LB hears an answer end the instant the engine
+        # finishes it, so no request it counts in flight is one the engine has already finished.
         settle_probe(v, at, outstanding_at, v.pending, v.running, self.lb.cfg.early_reprobe_s)
 
     def probe_now(self) -> None:
