@@ -174,7 +174,7 @@ class PrefixScorer(Part):
     def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[int]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         depth, holders = self.trie.match(chain, {view.id for view in candidates})
-        decision.matched_blocks, decision.total_blocks = depth, len(chain)
+        decision.matched_blocks, decision.total_blocks, decision.best_blocks = depth, len(chain), depth
         self._chain, self._holding = chain, (holding := set(holders))
         if not chain or depth / len(chain) < self.min_match_ratio:
             return [0] * len(candidates)
@@ -347,7 +347,7 @@ class CacheAware(PolicyBase):
             return decision.target
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         depth, holders = self.trie.match(chain)
-        decision.matched_blocks, decision.total_blocks = depth, len(chain)
+        decision.matched_blocks, decision.total_blocks, decision.best_blocks = depth, len(chain), depth
         if chain and depth / len(chain) > self.cache_threshold:
             holding = set(holders)
             hits = [view for view in candidates if view.id in holding]

@@ -214,7 +214,8 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}
         costs = self.model.predict(candidates, work, uncached)
         self._cost = {v.id: c for v, c in zip(candidates, costs)}
-        decision.matched_blocks, decision.total_blocks = max(depths.values(), default=0), len(chain)
+        decision.matched_blocks = decision.best_blocks = max(depths.values(), default=0)
+        decision.total_blocks = len(chain)
         decision.reason = "predicted"
         return [-t for t in costs]
 

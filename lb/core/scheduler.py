@@ -164,6 +164,7 @@ class Placement:
     waited: float = 0.0
     matched_blocks: int = 0
     total_blocks: int = 0
+    best_blocks: int = 0  # REPLICA: the longest prefix any candidate held (Decision.best_blocks)
     residency_blocked: tuple[str, ...] = ()  # available peers the request's residency tag ruled out
 
 
@@ -410,7 +411,7 @@ class Scheduler:
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
-                         d.matched_blocks, d.total_blocks)
+                         d.matched_blocks, d.total_blocks, d.best_blocks)
 
     def _live(self, entry: QueueEntry, targets: list) -> set[str]:
         """The healthy local targets that could serve `entry`, free or busy (where its prefix may be)."""

@@ -124,6 +124,9 @@ class Decision:
     # peer-prefix: none could, and that peer region holds its context)
     matched_blocks: int = 0
     total_blocks: int = 0
+    # the longest prefix any candidate held: above `matched_blocks` when the policy left a
+    # prefix's holder for a lower predicted time or load (what a recompute cost, in blocks)
+    best_blocks: int = 0
     # the chosen target's predicted TTFT, if the policy predicts one (predicted-ttft: its cost,
     # the TTFT plus the small delay the request adds to the batch running there)
     predicted_ttft_s: float | None = None

@@ -189,7 +189,7 @@ class Dispatcher:
             if fut.done():  # its client left in the same instant: give the slot back
                 self.registry.completed(rep)
             else:
-                fut.set_result((rep, Decision(p.target_id, p.reason, p.matched_blocks, p.total_blocks)))
+                fut.set_result((rep, Decision(p.target_id, p.reason, p.matched_blocks, p.total_blocks, p.best_blocks)))
         self._gauge()
 
     def _record(self, p: Placement) -> None:

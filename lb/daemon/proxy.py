@@ -114,6 +114,7 @@ class Outcome:
     decision: str = ""
     matched_blocks: int = 0
     prompt_blocks: int = 0
+    best_blocks: int = 0  # the longest prefix any candidate held: above matched_blocks when it left the holder
     ttft_s: float | None = None
     e2e_s: float | None = None
     user: str | None = None
@@ -341,6 +342,7 @@ class Proxy:
             out.attempts += 1
             out.target = rep.id
             out.decision, out.matched_blocks, out.prompt_blocks = why.reason, why.matched_blocks, why.total_blocks
+            out.best_blocks = why.best_blocks
             out.queue_wait_s = (out.queue_wait_s or 0.0) + waited
             attempt = self.hung.start(rep)
             span = self.tracing.start_attempt(rep, out.attempts)

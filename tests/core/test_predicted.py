@@ -45,6 +45,8 @@ def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_s
         policy.observe(burst, "r1", now=2.0)
     vs[1].pushed_since_probe = 8
     assert policy.choose(follow, vs, now=2.0) == "r0"
+    # the explanation says what leaving the holder cost: r0 holds 0 of the 16 blocks r1 holds
+    assert (policy.last.matched_blocks, policy.last.best_blocks, policy.last.total_blocks) == (0, 16, 17)
     vs[1].pushed_since_probe = 0  # a probe saw them all (none waiting): the holder wins again
     assert policy.choose(follow, vs, now=3.0) == "r1"
 

@@ -82,6 +82,7 @@ def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path,
     if hold_s:
         assert (follow_up["decision"], follow_up["target"]) == ("prefix", holder)
         assert 0 < follow_up["matched_blocks"] <= follow_up["prompt_blocks"]
+        assert follow_up["best_blocks"] == follow_up["matched_blocks"]  # it took the longest match there was
         assert served_by == holder  # waited for its cache rather than recomputing elsewhere
     else:
         assert served_by != holder  # no hold: the idle replica takes it at once
