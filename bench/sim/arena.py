@@ -25,6 +25,7 @@ from bench.sim.metrics import Metrics, Slo
 from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from bench.sim.peer_policies import PeerPolicy, PeerRequest
 from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
+from bench.stats import RequestRecord
 from lb.core.types import RequestFacts, Tier
 
 
@@ -83,6 +84,12 @@ class Done:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+
+
+def as_records(done: list[Done]) -> list[RequestRecord]:
+    """The simulator's answers as the live client's records, so `bench.stats` measures both."""
+    return [RequestRecord(d.req.id, d.sent_at, ok=True, ttft=d.ttft, e2e=d.e2e, prompt_tokens=d.prompt_tokens,
+                          cached_tokens=d.cached_tokens, output_tokens=d.output_tokens) for d in done]
 
 
 @dataclass(slots=True)

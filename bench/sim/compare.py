@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.sim.arena import Arena, FleetSpec, lb_config
+from bench.sim.arena import Arena, FleetSpec, as_records, lb_config
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import WORKLOADS, get
+from bench.stats import steady_summary
 
 DEFAULT_SEEDS = 5
 DEFAULT_LOAD = 0.9
@@ -54,7 +55,6 @@ def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = 
     return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), stream=stream)
 
 
-WARM_SHARE = 0.2  # the first fifth of a run fills the fleet (closed-loop trees take tens of seconds); not measured
 
 
 def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
@@ -63,9 +63,7 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
     arena = make_arena(workload, "lb", seed)
     get(workload).saturate(arena, seed=seed, stop_at=duration_s)
     arena.loop.run(duration_s)
-    warm = duration_s * WARM_SHARE
-    done = sum(1 for d in arena.done if warm <= d.sent_at + d.e2e <= duration_s)
-    return done / (duration_s - warm)
+    return steady_summary(as_records(arena.done), duration_s)["throughput_rps"]
 
 
 def run_one(args: tuple) -> dict:
@@ -86,20 +84,19 @@ def run_one(args: tuple) -> dict:
     # 60 s against llm-d's 1,714, then fewer in each of the next two minutes; 16,231 against
     # 16,276 over the run); every system starts empty on the same arrivals, so what it has
     # completed by the end is its work done (below capacity, less only by what is in flight).
-    warm = duration_s * WARM_SHARE
+    # (bench.stats.steady_summary: the live runs' `steady` figures, the same definitions)
+    steady = steady_summary(as_records(arena.done), duration_s)
     ended = [d for d in arena.done if d.sent_at + d.e2e <= duration_s]
-    finished = sum(1 for d in ended if d.sent_at + d.e2e >= warm)
-    done = [d for d in ended if d.sent_at >= warm]
-    ttft = np.array([d.ttft for d in done]) if done else np.empty(0)
-    prompt = sum(d.prompt_tokens for d in done)
+    warm = steady["from_s"]
+    ttft = np.array([d.ttft for d in ended if d.sent_at >= warm])
     return {
         "system": system, "seed": seed,
-        "throughput_rps": finished / (duration_s - warm),
+        "throughput_rps": steady["throughput_rps"],
         "served_rps": len(ended) / duration_s,
-        "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
-        "ttft_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else None,
-        "e2e_p50_s": float(np.median([d.e2e for d in done])) if done else None,
-        "cached_ratio": sum(d.cached_tokens for d in done) / prompt if prompt else 0.0,
+        "ttft_p50_s": steady["ttft_s"]["p50"],
+        "ttft_p90_s": steady["ttft_s"]["p90"],
+        "e2e_p50_s": steady["e2e_s"]["p50"],
+        "cached_ratio": steady["cached_token_ratio"],
         "errors": 0,
         "cut_at_deadline": arena.sent - len(ended),
         "sent": arena.sent,

@@ -411,7 +411,7 @@ class SimLB:
         if rep.ready_at > self.loop.now:
             rep.view.healthy = False
             self.loop.at(rep.ready_at, rep.became_ready)
-        else:  # serving from the start: probed before any request, as the daemon's /ready waits for
+        else:  # serving from the start: probed before any request (the daemon probes before healthy)
             rep.probe_now()
 
     def replica_ready(self, rep: SimReplica) -> None:

@@ -21,10 +21,12 @@ import numpy as np
 from dataclasses import replace
 
 from bench.sim.clients import Programs
-from bench.sim.compare import WARM_SHARE, make_arena, median_ci
+from bench.sim.arena import as_records
+from bench.sim.compare import make_arena, median_ci
 from bench.sim.compare import systems as sim_systems
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.workloads_sim import TOT, get
+from bench.stats import WARM_SHARE, steady_summary
 from bench.workloads import make_workload
 
 SYSTEMS = ("lb", "lb blind", "sglang-router cache_aware")
@@ -43,24 +45,23 @@ def run_one(args: tuple) -> dict:
     Programs(arena, programs, stop_at=duration_s).clients({"local": clients})
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
-    warm = duration_s * warm_share  # the trees of all clients start in step: skip the first fifth
-    done = [d for d in arena.done if warm <= d.sent_at and d.sent_at + d.e2e <= duration_s]
+    # the trees of all clients start in step: the first fifth is left out (bench.stats.steady_summary)
+    steady = steady_summary(as_records(arena.done), duration_s, warm_share)
+    warm = steady["from_s"]
     # Throughput counts every completion in the window. The latency figures take only requests
     # sent inside it (whole), which undercounts completions by what is in flight at the end:
     # with 256-token thoughts (~125 in flight for ~23 s) that was 15 %, and edge effects of a
     # short window still move the count by L / (lambda x window) (~10 % at 240 s): compare
     # systems over long runs, with the engines' running batch next to it.
     ended = [d for d in arena.done if warm <= d.sent_at + d.e2e <= duration_s]
-    ttft = np.array([d.ttft for d in done])
-    prompt = sum(d.prompt_tokens for d in done)
     replicas = replica_stats(arena, waiting, skip=0.2)
     return {
         "system": system, "seed": seed,
-        "throughput_rps": len(ended) / (duration_s - warm),
+        "throughput_rps": steady["throughput_rps"],
         "e2e_mean_s": float(np.mean([d.e2e for d in ended])) if ended else None,
-        "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
-        "ttft_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else None,
-        "cached_ratio": sum(d.cached_tokens for d in done) / prompt if prompt else 0.0,
+        "ttft_p50_s": steady["ttft_s"]["p50"],
+        "ttft_p90_s": steady["ttft_s"]["p90"],
+        "cached_ratio": steady["cached_token_ratio"],
         "waiting_mean": sum(r["waiting_mean"] for r in replicas),
         "running_mean": sum(r["running_mean"] for r in replicas),
         "waiting_max": max(r["waiting_max"] for r in replicas),
