@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.sim.arena import Arena, FleetSpec, as_records, lb_config
 from bench.sim.enginestats import WaitingSampler, replica_stats
+from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import WORKLOADS, get
 from bench.stats import steady_summary
@@ -48,8 +49,27 @@ def systems() -> list[str]:
     return list(LB_VARIANTS) + list(PEERS)
 
 
-def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True) -> Arena:
+# The system `--lb-config FILE` adds: lb with an operator's own daemon config.
+LB_FROM_FILE = "lb config"
+
+
+def chosen_systems(spec: str | None) -> list[str]:
+    """`--systems A,B`: those systems in the order given (all when not given); an unknown name
+    fails with the known ones."""
+    if spec is None:
+        return systems()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in systems()]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {', '.join(map(repr, unknown))}; known: {', '.join(systems())}")
+    return list(dict.fromkeys(names))
+
+
+def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True,
+               lb_cfg: LBConfig | None = None) -> Arena:
     fleet = fleet or get(workload).fleet
+    if lb_cfg is not None:
+        return Arena(fleet, system, seed=seed, lb_cfg=lb_cfg, stream=stream)
     if system in LB_VARIANTS:
         return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]), stream=stream)
     return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), stream=stream)
@@ -68,10 +88,12 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
 
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream])."""
+    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg]]); `lb_cfg` (an
+    `LBConfig`) runs lb with those settings under the system's name."""
     workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
-    arena = make_arena(workload, system, seed, stream=rest[0] if rest else True)
+    arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
+                       lb_cfg=rest[1] if len(rest) > 1 else None)
     get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
@@ -118,9 +140,9 @@ def median_ci(values: list[float], seed: int = 0) -> dict:
 METRICS = ("throughput_rps", "served_rps", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cached_ratio")
 
 
-def summarize(workload: str, seeds: int, runs: list[dict], extra: dict) -> dict:
+def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: list[str] | None = None) -> dict:
     out = {"workload": workload, "seeds": seeds, "systems": {}}
-    for system in systems():
+    for system in systems() if names is None else names:
         mine = [r for r in runs if r["system"] == system]
         if not mine:
             continue
@@ -133,9 +155,14 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict) -> dict:
 
 
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
-             workers: int, out: Path, stream: bool = True) -> dict:
+             workers: int, out: Path, stream: bool = True, names: list[str] | None = None,
+             lb_file: LBConfig | None = None) -> dict:
+    """Every system of `names` (default all) on the same arrivals, and with `lb_file` lb with
+    those settings as `LB_FROM_FILE`."""
     rate = load * capacity
-    jobs = [(workload, system, seed, rate, duration_s, stream) for seed in range(seeds) for system in systems()]
+    names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
+    jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None)
+            for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -147,7 +174,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
-    })
+    }, names)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     engines = [{"system": r["system"], "seed": r["seed"], "replicas": r["replicas"]} for r in runs]
@@ -190,9 +217,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="virtual seconds per run (default: the workload's, 300; --quick 150). Longer runs show "
                              "what only a steady state shows: a learned rate that drifts took ~10 minutes to appear")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
+    parser.add_argument("--systems", help="comma-separated systems to run (default: all; `--systems list` names "
+                                          "them), e.g. lb,llm-d default-scorers")
+    parser.add_argument("--lb-config", metavar="FILE",
+                        help=f"also run lb with this daemon config file (its [routing], [pushing], [queue], "
+                             f"[probes], [affinity] and [peering] settings) as the system '{LB_FROM_FILE}': "
+                             "your own settings on the same arrivals as the default and the peers")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "systems", None) == "list":
+        print("\n".join(systems()))
+        return 0
     if args.list or not args.workload:
         for name, w in WORKLOADS.items():
             print(f"{name:14s} {w.description}")
@@ -211,6 +247,15 @@ def run(args: argparse.Namespace) -> int:
         workload.quick_duration_s if args.quick else workload.duration_s)
     if duration <= 0:
         raise SystemExit("--duration must be > 0 (virtual seconds, e.g. 1500)")
+    names = chosen_systems(getattr(args, "systems", None))
+    lb_file = None
+    if getattr(args, "lb_config", None):
+        try:  # the daemon's own parser and checks: the same messages as `lb check-config`
+            lb_file = LBConfig.from_daemon_config(args.lb_config)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--lb-config {args.lb_config}: {exc}") from None
+    if not names and lb_file is None:
+        raise SystemExit("--systems named none: give at least one (`--systems list` names them) or --lb-config")
     out = Path(args.out)
     wall = time.perf_counter()
     capacity = capacity_for(args.workload, out)
@@ -219,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     for load in loads:
         where = out / f"load-{load:g}" if args.sweep else out
         summaries[load] = run_load(args.workload, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
-                                   workers=args.workers, out=where, stream=not args.no_stream)
+                                   workers=args.workers, out=where, stream=not args.no_stream, names=names,
+                                   lb_file=lb_file)
         from bench.sim.compare_report import table
 
         print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"

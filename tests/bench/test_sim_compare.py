@@ -285,3 +285,35 @@ def test_the_sp_p_reproduction_runs_named_systems_over_the_whole_run_or_its_stea
     spp.main(["--seeds", "1", "--duration", "10", "--systems", "nginx hash-session", "--warm-share", "0",
               "--workers", "1", "--out", str(tmp_path)])
     assert "| nginx hash-session |" in (tmp_path / "table.md").read_text()
+
+
+def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_path, monkeypatch, capsys):
+    """`--systems` runs only those; `--lb-config FILE` adds lb with that daemon config (here
+    least-load routing: it must not reuse the default's prefix memory) on the same arrivals."""
+    from bench.sim import compare, workloads_sim
+
+    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)
+    config = tmp_path / "lb.toml"
+    config.write_text('[routing]\npolicy = "least-load"\n')
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path / "out"), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0,
+                                      systems="lb,nginx least_conn", lb_config=str(config))
+    assert compare.run(args) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert list(summary["systems"]) == ["lb", "nginx least_conn", compare.LB_FROM_FILE]
+    engines = json.loads((tmp_path / "out" / "engines.json").read_text())
+    hits = {e["system"]: sum(r["hit_ratio"] for r in e["replicas"]) for e in engines}
+    assert hits[compare.LB_FROM_FILE] < hits["lb"]  # least-load scatters the trees lb keeps together
+    assert "| lb config |" in (tmp_path / "out" / "report.md").read_text()
+
+    for bad, says in (({"systems": "lb,haproxy"}, "--systems: unknown 'haproxy'; known: lb, "),
+                      ({"systems": "", "lb_config": None}, "--systems named none"),
+                      ({"systems": "lb", "lb_config": str(tmp_path / "missing.toml")}, "--lb-config")):
+        with pytest.raises(SystemExit, match=says):
+            compare.run(compare.argparse.Namespace(**{**vars(args), **bad}))
+    config.write_text('[routing]\npolicy = "nope"\n')
+    with pytest.raises(SystemExit, match="routing.policy.*unknown policy 'nope'"):  # the daemon's own message
+        compare.run(args)
+
+    assert compare.run(compare.argparse.Namespace(**{**vars(args), "systems": "list"})) == 0
+    assert capsys.readouterr().out.splitlines()[-len(compare.systems()):] == compare.systems()
