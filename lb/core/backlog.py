@@ -54,6 +54,7 @@ class Backlog:
     def __init__(self, alpha: float = ALPHA, min_samples: int = MIN_SAMPLES, max_tracked: int = MAX_TRACKED):
         self.alpha, self.min_samples, self.max_tracked = alpha, min_samples, max_tracked
         self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
+        self.ahead_count: dict[str, int] = {}  # target → how many pushes those are
         self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
         # request id → target of the pushes whose first token came back and that have not
         # ended, and their count per target: the engine holds them or has finished them, so
@@ -78,6 +79,7 @@ class Backlog:
         self._unanswer(request_id)
         ahead = self.ahead.get(target_id, 0.0) + tokens
         self.ahead[target_id] = ahead
+        self.ahead_count[target_id] = self.ahead_count.get(target_id, 0) + 1
         push = self._open[request_id] = _Push(target_id, tokens, ahead, now)
         if expires_at is not None:
             heapq.heappush(self._expiring, (expires_at, next(self._seq), request_id, push))
@@ -136,6 +138,7 @@ class Backlog:
 
     def forget(self, target_id: str) -> None:
         self.ahead.pop(target_id, None)
+        self.ahead_count.pop(target_id, None)
         self.answering.pop(target_id, None)
         for rid in [rid for rid, p in self._open.items() if p.target == target_id]:
             del self._open[rid]
@@ -146,9 +149,12 @@ class Backlog:
         push = self._open.pop(request_id, None)
         if push is not None:
             left = self.ahead.get(push.target, 0.0) - push.tokens
-            if left > 0.5:
-                self.ahead[push.target] = left
+            count = self.ahead_count.get(push.target, 0) - 1
+            if count > 0:
+                self.ahead_count[push.target] = count
+                self.ahead[push.target] = max(0.0, left)
             else:
+                self.ahead_count.pop(push.target, None)
                 self.ahead.pop(push.target, None)
         return push
 

@@ -8,14 +8,14 @@ the request's TTFT there plus the delay it adds to the requests already running 
 
 - `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
   the trie says `r` holds (the prefix trie is the cache estimate).
-- `ahead(r)`: prefill work in front of it, the larger of two counts that miss different
-  things: the uncached tokens of this LB's pushes to `r` with no first token back yet (a
-  non-streamed one: until its predicted TTFT)
-  (`view.prefill_ahead`, from `lb.core.backlog`: it sees requests the engine already runs
-  but is still prefilling — a long prompt in chunked prefill holds every later one up for
-  seconds while counting as one running request), and the engine's waiting requests at the
-  last probe (at this request's size, the only size the LB knows for them; they include
-  other clients' work) plus the uncached tokens of the pushes no probe has counted yet.
+- `ahead(r)`: prefill work in front of it (`PredictedTtftScorer.ahead`): the uncached
+  tokens of this LB's pushes to `r` with no first token back yet (a non-streamed one: until
+  its predicted TTFT) (`view.prefill_ahead`, from `lb.core.backlog`: it sees requests the
+  engine already runs but is still prefilling — a long prompt in chunked prefill holds every
+  later one up for seconds while counting as one running request — and a tree's siblings
+  waiting on their prefix's holder at their own suffix's size), plus the engine's waiting
+  requests at the last probe beyond this LB's own (other clients' work, at this request's
+  size: the only size the LB knows for them) and the other instances' pushes since.
 - `running(r) x uncached(r)`: each running request's next token waits for this prefill,
   weighted by `others_weight` (default 0.05). `running(r)` is the last probe's count plus the
   pushes it has not seen: probes come early only when a decision waits on them
@@ -204,12 +204,24 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
             work += sum(u for rid, u in islice(reversed(pushed), own) if unanswered(rid))
         return work
 
+    def ahead(self, view: ReplicaView, prompt: int) -> float:
+        """Prefill work in front of a new request on `view`. This LB's own pushes there with no
+        first token yet count at their uncached size (`prefill_ahead`, which the scheduler
+        copies from `lb.core.backlog`; or, where nothing fed it, the unseen pushes this scorer
+        placed), with the other instances' pushes since the last probe; the waiting requests
+        that probe counted beyond this LB's own (other clients' work) count at this request's
+        size, the only size the LB knows for them."""
+        own_unseen = view.pushed_since_probe - min(view.remote_since_probe, view.pushed_since_probe)
+        others = max(0, view.pending - max(0, view.prefill_ahead_count - own_unseen))
+        known = max(view.prefill_ahead + view.remote_prefill_since_probe, self.unseen_prefill(view))
+        return known + others * prompt
+
     def score(self, req: RequestFacts, candidates: list[ReplicaView], now: float, decision: Decision) -> list[float]:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         prompt = max(1, req.prompt_tokens)
         self._depths = depths = self.trie.depths(chain, [v.id for v in candidates])
         uncached = [uncached_tokens(prompt, depths[v.id], len(chain)) for v in candidates]
-        work = [max(v.pending * prompt + self.unseen_prefill(v), v.prefill_ahead) + u for v, u in zip(candidates, uncached)]
+        work = [self.ahead(v, prompt) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}
         costs = self.model.predict(candidates, work, uncached)

@@ -371,9 +371,10 @@ class Scheduler:
                     out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
                                          waited=now - entry.enqueued_at))
                     continue
-            ahead = self.backlog.ahead
+            ahead, count = self.backlog.ahead, self.backlog.ahead_count
             for t in cands:
                 t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
+                t.view.prefill_ahead_count = count.get(t.view.id, 0)
             by_id = {t.view.id: t for t in cands}
             target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
             if target is None:

@@ -70,6 +70,7 @@ class ReplicaView:
     # uncached prompt tokens of this LB's pushes to it without a first token yet (waiting or
     # prefilling there; lb.core.backlog keeps it, the scheduler copies it before each choice)
     prefill_ahead: float = 0.0
+    prefill_ahead_count: int = 0  # how many pushes those are
     # of `pushed_since_probe`, the pushes other LB instances made (lb.core.instances), and the
     # prompt tokens those would not find cached there (their own prefill work ahead)
     remote_since_probe: int = 0

@@ -36,14 +36,19 @@ def test_work_ahead_counts_pushes_until_their_first_token_or_end():
     b.placed("a", "r1", 1000, NOW)
     b.placed("b", "r1", 300, NOW)
     b.placed("c", "r2", 50, NOW)
-    assert b.ahead == {"r1": 1300, "r2": 50}
+    assert b.ahead == {"r1": 1300, "r2": 50} and b.ahead_count == {"r1": 2, "r2": 1}
     b.first_token("a", NOW + 1)
     b.ended("c")
-    assert b.ahead == {"r1": 300}
+    assert b.ahead == {"r1": 300} and b.ahead_count == {"r1": 1}
     b.placed("b", "r2", 300, NOW + 2)  # a retry elsewhere replaces its first push
-    assert b.ahead == {"r2": 300}
+    assert b.ahead == {"r2": 300} and b.ahead_count == {"r2": 1}
+    b.placed("d", "r2", 0, NOW + 2)  # fully cached: no tokens, still one push waiting there
+    assert b.ahead == {"r2": 300} and b.ahead_count == {"r2": 2}
+    b.placed("e", "r3", 10, NOW, expires_at=NOW + 1)  # not streamed: until its assumed prefill end
+    b.expire(NOW + 1)
+    assert "r3" not in b.ahead_count
     b.forget("r2")
-    assert b.ahead == {} and not b._open
+    assert b.ahead == {} and b.ahead_count == {} and not b._open
 
 
 def test_tracking_is_bounded():

@@ -51,6 +51,27 @@ def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_s
     assert policy.choose(follow, vs, now=3.0) == "r1"
 
 
+def test_waiting_requests_this_lb_pushed_count_at_their_uncached_size_and_only_the_rest_at_full_size():
+    """The engine's waiting count says how many, not what they need. Those this LB pushed it
+    knows exactly (`prefill_ahead`: siblings of a tree on their prefix's holder need only
+    their own suffix); counted at the new request's full size, six cached siblings read as
+    six full prompts and the seventh left the holder to recompute the prefix elsewhere."""
+    policy = make_policy("predicted-ttft", seed=1)
+    shared = prompt(("doc", 16))
+    vs = views(2)
+    for v in vs:
+        for i in range(5):
+            teach(policy, v.id, f"{v.id}-{i}", 0.1, 0.1 + 99 * 0.02, 100, prompt(("warm", 2), (v.id, i + 1)))
+    policy.observe(req(shared + prompt(("a", 1)), rid="seed", prompt_tokens=2048), "r1", now=1.0)
+    follow = req(shared + prompt(("b", 1)), rid="f", prompt_tokens=2048)
+    holder = vs[1]
+    holder.pending = 6  # the last probe saw six waiting there
+    holder.prefill_ahead, holder.prefill_ahead_count = 6 * 128.0, 6  # all six ours: 128 tokens each
+    assert policy.choose(follow, vs, now=2.0) == "r1"
+    holder.prefill_ahead, holder.prefill_ahead_count = 0.0, 0  # none of them ours: other clients' work
+    assert policy.choose(follow, vs, now=2.0) == "r0"
+
+
 def test_an_unseen_push_already_answered_is_not_ahead_but_another_instances_unanswered_one_is():
     """A conversation's next turn comes right after its answer, before the next probe: the
     holder must not look busy with the turn it already answered."""
