@@ -258,3 +258,14 @@ class DelayRoutes:
         health = free_port()
         fleet.start(name, [sys.executable, "-m", "bench.delay_proxy", "--health-port", str(health),
                            *[a for r in self.routes for a in ("--route", r)]], "/", health)
+
+
+def pick_names(spec: str, known: list[str]) -> list[str]:
+    """`--systems A,B` against the names a run knows: those named, in the order given, each
+    once; an unknown name exits naming the known ones (live scenarios and the simulator)."""
+    names = list(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {', '.join(map(repr, unknown))}; known: "
+                         + ", ".join(map(repr, known)))
+    return names

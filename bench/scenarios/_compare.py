@@ -22,7 +22,8 @@ from typing import Callable
 from bench import report, report_md
 from bench.cluster import ClusterSpec, RegionSpec
 from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
-from bench.systems import DIRECT, System, lb, nginx, sglang_router, start, start_regional, unavailable, vllm_router
+from bench.systems import (DIRECT, System, lb, nginx, pick_names, sglang_router, start, start_regional, unavailable,
+                           vllm_router)
 from lb.core.policies import DEFAULT_POLICY
 
 SAMPLE_EVERY_S = 0.25
@@ -277,12 +278,8 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
         c.duration_s = duration
         c.options.append(f"--duration {duration:g}")
     if systems:
-        wanted = [name.strip() for name in systems.split(",") if name.strip()]
         known = {s.name: s for s in c.systems}
-        unknown = [name for name in wanted if name not in known]
-        if unknown:
-            raise SystemExit(f"--systems: unknown {', '.join(map(repr, unknown))}; this scenario runs "
-                             + ", ".join(map(repr, known)))
+        wanted = pick_names(systems, list(known))
         c.systems = [known[name] for name in wanted]
         c.options.append(f"--systems '{','.join(wanted)}'")
     if not stream:

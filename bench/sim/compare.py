@@ -33,6 +33,7 @@ from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import WORKLOADS, get
 from bench.stats import steady_summary
+from bench.systems import pick_names
 
 DEFAULT_SEEDS = 5
 DEFAULT_LOAD = 0.9
@@ -56,13 +57,7 @@ LB_FROM_FILE = "lb config"
 def chosen_systems(spec: str | None) -> list[str]:
     """`--systems A,B`: those systems in the order given (all when not given); an unknown name
     fails with the known ones."""
-    if spec is None:
-        return systems()
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in systems()]
-    if unknown:
-        raise SystemExit(f"--systems: unknown {', '.join(map(repr, unknown))}; known: {', '.join(systems())}")
-    return list(dict.fromkeys(names))
+    return systems() if spec is None else pick_names(spec, systems())
 
 
 def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True,
@@ -73,8 +68,6 @@ def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = 
     if system in LB_VARIANTS:
         return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]), stream=stream)
     return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), stream=stream)
-
-
 
 
 def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:

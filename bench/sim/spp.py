@@ -22,8 +22,7 @@ from dataclasses import replace
 
 from bench.sim.clients import Programs
 from bench.sim.arena import as_records
-from bench.sim.compare import make_arena, median_ci
-from bench.sim.compare import systems as sim_systems
+from bench.sim.compare import chosen_systems, make_arena, median_ci
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.workloads_sim import TOT, get
 from bench.stats import WARM_SHARE, steady_summary
@@ -115,10 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    chosen = tuple(s.strip() for s in a.systems.split(",") if s.strip())
-    unknown = [s for s in chosen if s not in sim_systems()]
-    if unknown:
-        ap.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(sim_systems())}")
+    chosen = tuple(chosen_systems(a.systems))  # an unknown name exits naming the known ones
+    if not chosen:
+        ap.error("--systems named none")
     if not 0 <= a.warm_share < 1:
         ap.error("--warm-share must be in [0, 1)")
     jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share)
