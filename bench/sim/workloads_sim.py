@@ -159,6 +159,33 @@ def bursty_calls(seed: int) -> Iterator[Timed]:
                             max(1, round(row.generated_tokens * BURSTY_SIZE_SCALE)), user=f"sg-{client}"))
 
 
+# SGLang's own shared-prefix benchmark (`python -m sglang.bench_serving --dataset-name
+# generated-shared-prefix`), at its defaults: 64 system prompts of 2,048 tokens, a 128-token
+# question after one of them, 256-token answers, Poisson arrivals. The workload prefix-aware
+# routers are tuned on, added after the policy was settled, so it is held out: nothing in `lb`
+# was chosen on it. Its 131k tokens of system prompts fill the 4 replicas' KV (32k each) even
+# if every prompt is kept on one replica only.
+SHARED_PREFIX_GROUPS = 64
+SHARED_PREFIX_SYSTEM_TOKENS = 2048
+SHARED_PREFIX_QUESTION_TOKENS = 128
+SHARED_PREFIX_OUTPUT_TOKENS = 256
+
+
+def shared_prefix_calls(seed: int) -> Iterator[Timed]:
+    """A Poisson stream at 1 req/s before scaling; each request one of the 64 system prompts
+    (uniform, as the benchmark's shuffled 64 x 16 prompts) and a question of its own."""
+    rng = rng_for(seed, "shared-prefix")
+    t = 0.0
+    for i in itertools.count():
+        t += rng.expovariate(1.0)
+        group = rng.randrange(SHARED_PREFIX_GROUPS)
+        system = (1 << 48) + (group << 20)  # token ranges apart from the questions'
+        question = (i + 1) << 12
+        tokens = [*range(system, system + SHARED_PREFIX_SYSTEM_TOKENS),
+                  *range(question, question + SHARED_PREFIX_QUESTION_TOKENS)]
+        yield Timed(t, Call(f"gsp-{i}", "local", tokens, SHARED_PREFIX_OUTPUT_TOKENS))
+
+
 # -- the registry -------------------------------------------------------------------------
 TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
 
@@ -179,6 +206,11 @@ register(Workload("mooncake", "Mooncake conversation trace replay (open loop), p
 register(Workload("bursty", f"ServeGen's {BURSTY_TENANTS} busiest tenants at noon (bursty Gamma/Weibull "
                   "inter-arrivals) with Azure conversation sizes (x0.5), open loop, 4 L4 replicas",
                   ONE_REGION, "replay", calls=bursty_calls, natural_rps=lambda: 1.0))
+register(Workload("shared-prefix", f"SGLang's generated-shared-prefix benchmark at its defaults: "
+                  f"{SHARED_PREFIX_GROUPS} system prompts of {SHARED_PREFIX_SYSTEM_TOKENS} tokens, "
+                  f"{SHARED_PREFIX_QUESTION_TOKENS}-token questions, {SHARED_PREFIX_OUTPUT_TOKENS}-token answers, "
+                  "Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=shared_prefix_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "
