@@ -135,7 +135,7 @@ class SimReplica:
         self.stopped_at: float | None = None
         self.view = ReplicaView(id=id, url=f"sim://{id}", engine="sglang", models=frozenset([model]),
                                 region=region, healthy=ready_at <= loop.now,
-                                max_running=profile.max_running)
+                                max_running=profile.max_running, kv_total_tokens=profile.kv_tokens)
         self.draining = False
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf

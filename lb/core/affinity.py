@@ -63,14 +63,17 @@ class AffinityConfig:
             raise ValueError("affinity: window, hold_s, hold_per_token_s and max_bypass_s must be >= 0 "
                              "and 0 < min_gain <= 1")
 
-    def hold_bound(self, req: RequestFacts) -> float:
-        """Longest `req` waits for its busy prefix holder."""
-        return max(self.hold_s, self.hold_per_token_s * (req.max_tokens or 0))
+    def hold_bound(self, req: RequestFacts, step_s: float | None = None) -> float:
+        """Longest `req` waits for its busy prefix holder: about as long as its answer takes to
+        decode there, at `step_s` per token (the fleet's learned inter-token time; the configured
+        `hold_per_token_s` until one is learned)."""
+        per_token = step_s if step_s else self.hold_per_token_s
+        return max(self.hold_s, per_token * (req.max_tokens or 0))
 
-    def bypass_bound(self, req: RequestFacts) -> float:
+    def bypass_bound(self, req: RequestFacts, step_s: float | None = None) -> float:
         """Longest the reordering may jump over `req`: while it may still be held for its
         holder, it is waiting for its cache, not being passed over."""
-        return max(self.max_bypass_s, self.hold_bound(req))
+        return max(self.max_bypass_s, self.hold_bound(req, step_s))
 
 
 def front_wait(entry: QueueEntry, now: float) -> float:
@@ -97,13 +100,14 @@ class AffinityScheduler:
         if len(head) < 2:  # one waiting request (the common case at low load): nothing to reorder
             return iter(head)
         entries = itertools.chain(head, entries)
+        step = memory.decode_step_s()
         matched: list[tuple[int, int, QueueEntry]] = []
         unmatched: list[QueueEntry] = []
         stop: list[QueueEntry] = []
         for i, entry in enumerate(entries):
             if entry.fronted_at is None:
                 entry.fronted_at = now
-            if now - entry.fronted_at >= cfg.bypass_bound(entry.facts):
+            if now - entry.fronted_at >= cfg.bypass_bound(entry.facts, step):
                 stop.append(entry)
                 break
             depth, _, _ = memory.affinity(entry.facts, free)
@@ -147,7 +151,7 @@ class AffinityScheduler:
         region = min(remote, key=remote.__getitem__)
         # a peer could serve it now: it waits for its cache at most max_bypass_s, however long its
         # hold bound (60 s for 1,000 tokens); measured level with the hold bound (docs/results.md)
-        keep_for = min(self.cfg.hold_bound(facts), self.cfg.max_bypass_s)
+        keep_for = min(self.cfg.hold_bound(facts, memory.decode_step_s()), self.cfg.max_bypass_s)
         if remote[region] - here >= gain and front_wait(entry, now) < keep_for:
             return "keep", None
         if here - remote[region] >= gain:
@@ -170,8 +174,9 @@ class AffinityScheduler:
         """Should `entry` wait for a busy replica that holds much more of its prompt than
         any free one? `live`: the healthy targets that could serve it, free or not."""
         cfg, memory = self.cfg, self.memory
-        waited = front_wait(entry, now)
-        if memory is None or waited >= cfg.hold_bound(entry.facts) or len(live) <= len(free):
+        if memory is None or len(live) <= len(free):
+            return False
+        if front_wait(entry, now) >= cfg.hold_bound(entry.facts, memory.decode_step_s()):
             return False
         depth_all, blocks, holders = memory.affinity(entry.facts, live)
         if not blocks or depth_all < cfg.min_gain * blocks or not set(holders).isdisjoint(free):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from lb.core.prefix import CHARS_PER_TOKEN
 from lb.core.routes import BY_NAME
 from lb.core.types import RequestFacts
 
@@ -98,7 +99,7 @@ def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: 
         request_id=request_id,
         model=model,
         prompt=text,
-        prompt_tokens=len(text) // 4,  # a tokenizer-free estimate; engines report the truth
+        prompt_tokens=len(text) // CHARS_PER_TOKEN,  # a tokenizer-free estimate; engines report the truth
         max_tokens=max_tokens,
         stream=bool(body.get("stream")),
         arrival=now,

@@ -19,6 +19,7 @@ class EngineLoad:
     running: int | None = None
     kv_usage: float | None = None  # 0..1
     kv_free_tokens: int | None = None  # KV tokens not held by requests (SGLang /v1/loads)
+    kv_total_tokens: int | None = None  # the whole KV cache in tokens (summed over dp ranks / engines)
     max_running: int | None = None  # the engine's batch cap
 
 
@@ -42,6 +43,7 @@ def parse_sglang_v1_loads(body: bytes) -> EngineLoad:
         kv_usage=max(usage) if usage else None,
         # the most room one rank has: a request lands on one rank, not on their sum
         kv_free_tokens=max(r["max_total_num_tokens"] - r["num_used_tokens"] for r in ranks) if sized else None,
+        kv_total_tokens=sum(r["max_total_num_tokens"] for r in ranks) if sized else None,
         max_running=sum(caps) if all(isinstance(c, int) and c > 0 for c in caps) else None,
     )
 
@@ -134,8 +136,9 @@ def _label(labels: bytes, key: bytes) -> bytes | None:
     return labels[start:end] if end >= 0 else None
 
 
-def _vllm_free_kv(text: bytes) -> tuple[float | None, int | None]:
-    """(KV usage 0..1, free KV tokens) from vLLM's `/metrics`, per engine (data-parallel rank).
+def _vllm_kv(text: bytes) -> tuple[float | None, int | None, int | None]:
+    """(KV usage 0..1, free KV tokens, all engines' KV tokens) from vLLM's `/metrics`, per
+    engine (data-parallel rank).
 
     vLLM publishes KV usage as a fraction (`vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc`
     before v0.10) and its capacity as labels of the info gauge `vllm:cache_config_info`
@@ -156,22 +159,22 @@ def _vllm_free_kv(text: bytes) -> tuple[float | None, int | None]:
         if blocks and size and blocks.isdigit() and size.isdigit():  # "None" before profiling
             capacity[_label(labels, b"engine") or b""] = int(blocks) * int(size)
     if not usage:
-        return None, None
+        return None, None, None
     free = [int((1.0 - min(1.0, max(0.0, u))) * capacity[e]) for e, u in usage.items() if e in capacity]
-    return max(usage.values()), (max(free) if free else None)
+    return max(usage.values()), (max(free) if free else None), (sum(capacity.values()) if capacity else None)
 
 
 def parse_vllm_metrics(body: bytes) -> EngineLoad:
     """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
-    (`_vllm_free_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
+    (`_vllm_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
     vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running"))
     if "vllm:num_requests_waiting" not in vals:
         raise ValueError("/metrics has no vllm:num_requests_waiting")
-    kv_usage, kv_free = _vllm_free_kv(body)
+    kv_usage, kv_free, kv_total = _vllm_kv(body)
     running = vals.get("vllm:num_requests_running")
     return EngineLoad(pending=int(vals["vllm:num_requests_waiting"]),
                 running=None if running is None else int(running),
-                kv_usage=kv_usage, kv_free_tokens=kv_free)
+                kv_usage=kv_usage, kv_free_tokens=kv_free, kv_total_tokens=kv_total)
 
 
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)

@@ -15,10 +15,10 @@ import inspect
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Sequence
 
 from lb.core.predicted import DEFAULT_OTHERS_WEIGHT, PredictedTtftScorer
-from lb.core.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_NODES, PrefixTrie, request_chain
+from lb.core.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_NODES, PrefixTrie, TrieMemory, request_chain
 from lb.core.ring import DEFAULT_VNODES, HashRing
 from lb.core.types import Decision, Policy, PrefixMemory, ReplicaView, RequestFacts
 
@@ -159,7 +159,7 @@ class SpeedLoadScorer(Part):
         self.floor.pop(target_id, None)
 
 
-class PrefixScorer(Part):
+class PrefixScorer(Part, TrieMemory):
     """Longest prefix match among *available* targets (SkyWalker); below `min_match_ratio`
     of the prompt every candidate scores 0 and the next scorer (load) decides."""
 
@@ -192,12 +192,6 @@ class PrefixScorer(Part):
 
     def forget(self, target_id: str) -> None:
         self.trie.forget(target_id)
-
-    def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
-        """(matched blocks, prompt blocks, holders): the longest prefix a target in `targets` holds."""
-        chain = request_chain(req, self.block_chars, self.isolate_tenants)
-        depth, holders = self.trie.match(chain, targets)
-        return depth, len(chain), holders
 
 
 class ComposedPolicy(PolicyBase):

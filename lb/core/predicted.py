@@ -37,9 +37,8 @@ from collections import OrderedDict, deque
 from itertools import islice
 from dataclasses import dataclass
 from statistics import median
-from typing import Collection
 
-from lb.core.prefix import PrefixTrie, request_chain, uncached_tokens
+from lb.core.prefix import PrefixTrie, TrieMemory, request_chain, uncached_tokens
 from lb.core.types import Decision, ReplicaView, RequestFacts
 
 # EWMA weight of one sample: about the last 10 requests of a replica count, so a replica that
@@ -108,6 +107,8 @@ class TtftModel:
         self._excess_steps: float | None = None  # EWMA of (TTFT - step) / step
         self._work_tokens: float | None = None  # EWMA of the work counted for those
         self._work: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request id → (target, work)
+        self._typical: float | None = None  # the median learned step, kept until a rate changes
+        self._typical_known = False
 
     def prefill_ratio(self) -> float:
         """Prefill time per token, in steps; 1/256 before any sample (a guess that only
@@ -120,19 +121,22 @@ class TtftModel:
         """Predicted cost of placing the request on each view: its TTFT there for the given
         prefill work (tokens), plus (times `others_weight`) the delay its own uncached prefill
         adds to every request running there (each of their next tokens waits for it)."""
-        prior = None  # a replica without samples: assumed typical (the median), found only when needed
         ratio = self.prefill_ratio()
         out = []
         for view, w, u in zip(views, work, uncached):
             r = self.rates.get(view.id)
             step = r.step() if r is not None else None
-            if step is None:
-                if prior is None:
-                    steps = [s for r in self.rates.values() if (s := r.step()) is not None]
-                    prior = median(steps) if steps else 1.0
-                step = prior
+            if step is None:  # a replica without samples: assumed typical
+                step = self.typical_step() or 1.0
             out.append(step * (1.0 + ratio * (w + self.others_weight * (view.running + view.pushed_since_probe) * u)))
         return out
+
+    def typical_step(self) -> float | None:
+        """The median of the replicas' learned steps (None before any sample)."""
+        if not self._typical_known:
+            steps = [s for r in self.rates.values() if (s := r.step()) is not None]
+            self._typical, self._typical_known = (median(steps) if steps else None), True
+        return self._typical
 
     def unanswered(self, request_id: str) -> bool:
         """Placed and its response not back yet (as far as the last MAX_TRACKED placements go)."""
@@ -148,6 +152,7 @@ class TtftModel:
         """The response to a placed request came back: learn the target's speed and the
         fleet's prefill ratio from it."""
         placed = self._work.pop(request_id, None)
+        self._typical_known = False
         if ttft_s is None:
             # Answered whole (not streamed): only its end-to-end time, which the model puts at
             # step x (n + ratio x work) (TTFT, then n - 1 steps). That gives the replica's step;
@@ -170,9 +175,10 @@ class TtftModel:
 
     def forget(self, target_id: str) -> None:
         self.rates.pop(target_id, None)
+        self._typical_known = False
 
 
-class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
+class PredictedTtftScorer(TrieMemory):  # a scorer part of lb.core.policies.ComposedPolicy
     """Scores each candidate by minus its predicted TTFT (higher wins); remembers prefixes
     as the prefix-trie policy does (it is the policy's prefix memory for cache affinity)."""
 
@@ -248,12 +254,10 @@ class PredictedTtftScorer:  # a scorer part of lb.core.policies.ComposedPolicy
                output_tokens: int, now: float) -> None:
         self.model.served(req.request_id, target_id, ttft_s, e2e_s, output_tokens)
 
+    def decode_step_s(self) -> float | None:
+        return self.model.typical_step()
+
     def forget(self, target_id: str) -> None:
         self.trie.forget(target_id)
         self.model.forget(target_id)
         self._pushed.pop(target_id, None)
-
-    def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
-        chain = request_chain(req, self.block_chars, self.isolate_tenants)
-        depth, holders = self.trie.match(chain, targets)
-        return depth, len(chain), holders

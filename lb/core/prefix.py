@@ -32,6 +32,9 @@ from lb.core.types import RequestFacts
 # 32 tokens of match granularity is noise next to the prompts routing cares about.
 DEFAULT_BLOCK_CHARS = 128
 DEFAULT_MAX_NODES = 100_000
+# Characters per token where the LB has no tokenizer (its prompt size estimate, and the
+# blocks an engine's KV capacity in tokens amounts to): about 4 in English text.
+CHARS_PER_TOKEN = 4
 
 Chain = tuple[bytes, ...]
 
@@ -98,6 +101,10 @@ class PrefixTrie:
         self._nodes: OrderedDict[bytes, dict[str, float]] = OrderedDict()
         self._held = Counter()  # target → number of nodes that hold it
         self.evictions = 0
+        # A target whose cache size is known (`bound`) holds at most that many nodes: its own
+        # least recently used first go, as the engine evicts them (chain hashes in use order).
+        self._cap: dict[str, int] = {}
+        self._lru: dict[str, OrderedDict[bytes, None]] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -172,18 +179,65 @@ class PrefixTrie:
             touch(h)
         if gained:
             self._held[target] += gained
+        lru = self._lru.get(target)
+        if lru is not None:
+            self._use(lru, chain)
+            self._shrink(target, lru)
         excess = len(nodes) - self.max_nodes
         if excess > 0:
-            held, pop = self._held, nodes.popitem
+            held, pop, lrus = self._held, nodes.popitem, self._lru
             for _ in range(excess):
-                for t in pop(False)[1]:
+                h, holders = pop(False)
+                for t in holders:
                     held[t] -= 1
+                    if t in lrus:
+                        lrus[t].pop(h, None)
             self.evictions += excess
             for t in [t for t, n in held.items() if n <= 0]:
                 del held[t]
 
+    def bound(self, target: str, max_nodes: int) -> None:
+        """`target`'s cache holds about `max_nodes` blocks (its KV capacity, from its probes):
+        remember at most that many for it, dropping its least recently used first. Without a
+        bound the trie (100,000 nodes for all) believes a replica still holds prefixes its
+        engine evicted long ago, and requests wait for a holder that recomputes them anyway."""
+        max_nodes = max(1, max_nodes)
+        if self._cap.get(target) == max_nodes:
+            return
+        self._cap[target] = max_nodes
+        lru = self._lru.get(target)
+        if lru is None:  # the global order is a use order too: leaves before their ancestors
+            lru = self._lru[target] = OrderedDict((h, None) for h, holders in self._nodes.items() if target in holders)
+        self._shrink(target, lru)
+
+    @staticmethod
+    def _use(lru: OrderedDict, chain: Chain) -> None:
+        """Touch the path leaf first, as `insert` does, so a target's least recently used node
+        is always one of its leaves."""
+        touch = lru.move_to_end
+        for h in reversed(chain):
+            lru[h] = None
+            touch(h)
+
+    def _shrink(self, target: str, lru: OrderedDict) -> None:
+        nodes, cap = self._nodes, self._cap[target]
+        dropped = 0
+        while len(lru) > cap:
+            h, _ = lru.popitem(last=False)
+            holders = nodes.get(h)
+            if holders is not None and holders.pop(target, None) is not None:
+                dropped += 1
+                if not holders:  # no other target holds it, so none holds a block below it either
+                    del nodes[h]
+        if dropped:
+            self._held[target] -= dropped
+            if self._held[target] <= 0:
+                del self._held[target]
+
     def forget(self, target: str) -> None:
         """Remove `target` everywhere (O(nodes): targets leave rarely). Empty nodes go too."""
+        self._lru.pop(target, None)
+        self._cap.pop(target, None)
         if target not in self._held:
             return
         emptied = []
@@ -193,3 +247,27 @@ class PrefixTrie:
         for h in emptied:  # their descendants held only `target` too, so they go with them
             del self._nodes[h]
         del self._held[target]
+
+
+class TrieMemory:
+    """The prefix memory cache-affine scheduling asks (`lb.core.types.PrefixMemory`), over a
+    policy's trie; the policies that remember prefixes mix it in."""
+
+    trie: PrefixTrie
+    block_chars: int
+    isolate_tenants: bool
+
+    def affinity(self, req: RequestFacts, targets: Collection[str]) -> tuple[int, int, list[str]]:
+        """(matched blocks, prompt blocks, holders): the longest prefix a target in `targets` holds."""
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        depth, holders = self.trie.match(chain, targets)
+        return depth, len(chain), holders
+
+    def cache_size(self, target_id: str, kv_tokens: int) -> None:
+        """`target_id`'s engine holds `kv_tokens` of KV in all (its probes say): remember no
+        more of its prefixes than fit there."""
+        self.trie.bound(target_id, kv_tokens * CHARS_PER_TOKEN // self.block_chars)
+
+    def decode_step_s(self) -> float | None:
+        """A trie learns no rates (`lb.core.predicted` does)."""
+        return None

@@ -409,6 +409,9 @@ class Scheduler:
             # 1,048 -> 825, streamed 1,168 and 840; docs/results.md).
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now,
                                 expires_at=now + predicted)
+        memory = self.affinity.memory
+        if memory is not None and target.view.kv_total_tokens:
+            memory.cache_size(target.view.id, target.view.kv_total_tokens)
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,

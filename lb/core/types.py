@@ -51,6 +51,7 @@ class ReplicaView:
     # SP-P's headroom (lb.core.pushing): the engine's free KV tokens and batch cap at the last
     # probe (None when its load endpoint does not say), and the tokens the unseen pushes need.
     kv_free_tokens: int | None = None
+    kv_total_tokens: int | None = None  # its whole KV cache (None when its load endpoint does not say)
     max_running: int | None = None
     # the batch cap learned from probes when the engine does not report one (vLLM keeps
     # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)
@@ -137,6 +138,12 @@ class PrefixMemory(Protocol):
     def affinity(self, req: "RequestFacts", targets: Collection[str]) -> tuple[int, int, list[str]]:
         """(matched blocks, prompt blocks, holders) of the longest prefix of `req` that a
         target in `targets` holds."""
+
+    def cache_size(self, target_id: str, kv_tokens: int) -> None:
+        """The target's engine holds `kv_tokens` of KV in all: remember no more than fits."""
+
+    def decode_step_s(self) -> float | None:
+        """The fleet's typical inter-token time as learned from its answers (None: not learned)."""
 
 
 class Policy(Protocol):

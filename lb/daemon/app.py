@@ -267,7 +267,8 @@ def build_app(cfg: Config) -> web.Application:
         v = rep.view
         return {"id": v.id, "url": v.url, "engine": v.engine, "models": sorted(v.models), "healthy": v.healthy,
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
-                "kv_usage": v.kv_usage, "kv_free_tokens": v.kv_free_tokens, "reports_pending": v.reports_pending,
+                "kv_usage": v.kv_usage, "kv_free_tokens": v.kv_free_tokens, "kv_total_tokens": v.kv_total_tokens,
+                "reports_pending": v.reports_pending,
                 # the batch cap SP-P's headroom uses: the engine's own, or learned from probes
                 "max_running": v.max_running if v.max_running is not None else v.learned_max_running,
                 "max_running_source": ("reported" if v.max_running is not None

@@ -112,3 +112,22 @@ def test_hold_grows_with_max_tokens_and_an_entry_that_may_be_held_is_not_overdue
     s.order([old_long, old_short], 0.0, {"a"})  # both at the front since 0.0
     assert list(s.order([old_long, warm], 5.0, {"a"})) == [warm, old_long]  # may still be held: not overdue
     assert list(s.order([old_short, warm], 5.0, {"a"})) == [old_short, warm]  # overdue: nothing jumps over it
+
+
+def test_the_hold_follows_the_inter_token_time_the_fleet_shows_not_a_profiles_constant():
+    """The holder frees a slot about when an answer of this length has decoded there: at the
+    step the replicas' answers show (0.2 s here, a big batch on slow hardware), not the
+    configured 0.05 s, which only stands in until the first answer."""
+    policy = make_policy("predicted-ttft", seed=1)
+    prompt = BASE + "tree A " * 40
+    policy.observe(facts("seed-a", prompt), "a", 0.0)
+    child = QueueEntry(facts=RequestFacts(request_id="c", model="m", prompt=prompt + "child", max_tokens=100),
+                       enqueued_at=0.0, seq=0)
+    s = sched(policy, hold_s=1.0, hold_per_token_s=0.05)
+    s.order([child, entry("other", "Unrelated question " * 30, 0.0, 1)], 0.0, {"b"})  # at the front from 0
+    assert s.hold(child, 4.9, free={"b"}, live={"a", "b"})
+    assert not s.hold(child, 5.1, free={"b"}, live={"a", "b"})  # 100 x 0.05 s: nothing learned yet
+    policy.served(facts("seed-a", prompt), "a", ttft_s=0.3, e2e_s=0.3 + 0.2 * 99, output_tokens=100, now=20.0)
+    assert policy.prefix_memory.decode_step_s() == pytest.approx(0.2)
+    assert s.hold(child, 19.9, free={"b"}, live={"a", "b"})
+    assert not s.hold(child, 20.1, free={"b"}, live={"a", "b"})

@@ -37,6 +37,16 @@ def test_sglang_v1_loads_sums_ranks():
     assert loadparse.parse_sglang_v1_loads(body) == loadparse.EngineLoad(pending=2, running=4, kv_usage=0.75)
 
 
+def test_sglang_v1_loads_with_sizes_gives_the_free_room_of_one_rank_and_the_whole_cache():
+    body = orjson.dumps({"loads": [
+        {"num_running_reqs": 3, "num_waiting_reqs": 0, "token_usage": 0.5, "num_used_tokens": 500,
+         "max_total_num_tokens": 1000},
+        {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1, "num_used_tokens": 100,
+         "max_total_num_tokens": 1000}]})
+    load = loadparse.parse_sglang_v1_loads(body)
+    assert (load.kv_free_tokens, load.kv_total_tokens) == (900, 2000)
+
+
 def test_sglang_get_load_list_and_old_shapes():
     body = orjson.dumps([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100}])
     assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3)
@@ -84,11 +94,14 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blo
 def test_vllm_free_kv_from_usage_and_cache_config_info():
     load = loadparse.parse_vllm_metrics(VLLM_SIZED)
     # engine 1 has the most room: (1 - 0.5) x 1000 blocks x 16 tokens; the deprecated name loses
-    assert load == loadparse.EngineLoad(pending=0, running=7, kv_usage=0.75, kv_free_tokens=8000)
+    # ...and the whole cache, both engines': what the prefix trie may remember for this replica
+    assert load == loadparse.EngineLoad(pending=0, running=7, kv_usage=0.75, kv_free_tokens=8000,
+                                        kv_total_tokens=32000)
     old = VLLM_SIZED.replace(b"kv_cache_usage_perc", b"gpu_cache_usage_perc_x")  # only the old name
     assert loadparse.parse_vllm_metrics(old).kv_free_tokens == int((1 - 0.9) * 16000)
     unsized = VLLM_SIZED.replace(b'num_gpu_blocks="1000"', b'num_gpu_blocks="None"')
     assert loadparse.parse_vllm_metrics(unsized).kv_free_tokens is None  # no capacity: no guess
+    assert loadparse.parse_vllm_metrics(unsized).kv_total_tokens is None
 
 
 def test_usage_from_stream_tail_skips_null_usage_chunks():
@@ -137,7 +150,7 @@ def test_a_real_vllm_0_25_on_a_gpu_gives_its_free_kv_from_the_cache_config():
     body = (Path(__file__).parent.parent / "data" / "vllm-0.25.1-h200-metrics-idle.txt").read_bytes()
     load = loadparse.parse_vllm_metrics(body)
     assert (load.pending, load.running, load.kv_usage) == (0, 0, 0.0)
-    assert load.kv_free_tokens == 8589934592 // (32 * 8 * 128 * 2 * 2) == 65536
+    assert load.kv_free_tokens == load.kv_total_tokens == 8589934592 // (32 * 8 * 128 * 2 * 2) == 65536
     assert b'kv_cache_size_tokens="65536"' in body and b'block_size="16"' in body
 
 

@@ -91,6 +91,29 @@ def test_size_bound_evicts_oldest_leaves_first():
     assert trie.size_of("r1") == 4 and trie.size_of("r2") == 6
 
 
+def test_a_targets_cache_size_bounds_what_is_remembered_for_it_leaves_first():
+    """An engine holds only what its KV fits: the trie forgets a replica's least recently used
+    prefixes past its bound (another replica's copies stay) instead of believing it holds
+    everything it was ever sent."""
+    trie = PrefixTrie()
+    a, b, c = (block_hashes(text(4, s)) for s in "abc")
+    trie.insert(a, "r1", 1.0)
+    trie.insert(a, "r2", 1.5)
+    trie.insert(b, "r1", 2.0)
+    trie.bound("r1", 6)  # 8 held: a's two deepest blocks go, not an inner one
+    assert trie.size_of("r1") == 6
+    assert trie.match(a, {"r1"}) == (2, ["r1"]) and trie.match(b, {"r1"}) == (4, ["r1"])
+    assert trie.match(a, {"r2"}) == (4, ["r2"])  # r2 is unbounded and keeps its copy
+    trie.insert(a, "r1", 3.0)  # used again: now b is the oldest
+    trie.insert(c, "r1", 4.0)
+    assert trie.size_of("r1") == 6
+    assert trie.match(c, {"r1"})[0] == 4 and trie.match(b, {"r1"})[0] == 0
+    assert trie.match(a, {"r1"})[0] == 2
+    trie.forget("r1")
+    trie.bound("r1", 1)  # a bound for a target that holds nothing: nothing to drop
+    assert trie.size_of("r1") == 0 and trie.match(a) == (4, ["r2"])
+
+
 def test_reuse_refreshes_a_path():
     trie = PrefixTrie(max_nodes=8)
     a, b, c = (block_hashes(text(4, s)) for s in "abc")

@@ -27,6 +27,7 @@ trie_ops = st.lists(
         st.tuples(st.just("insert"), prompts, st.sampled_from(TARGETS)),
         st.tuples(st.just("forget"), st.sampled_from(TARGETS)),
         st.tuples(st.just("match"), prompts, st.sets(st.sampled_from(TARGETS))),
+        st.tuples(st.just("bound"), st.sampled_from(TARGETS), st.integers(1, 6)),
     ),
     max_size=60,
 )
@@ -41,6 +42,9 @@ def check_trie_invariants(trie: PrefixTrie, chains: list[tuple[bytes, ...]]) -> 
         for parent, child in zip(chain, chain[1:]):
             if child in nodes:
                 assert parent in nodes and set(nodes[child]) <= set(nodes[parent])
+    for target, cap in trie._cap.items():  # a bounded target holds at most its bound, and its
+        assert trie.size_of(target) <= cap  # use order lists exactly the nodes it holds
+        assert set(trie._lru[target]) == {h for h, holders in nodes.items() if target in holders}
 
 
 @settings(max_examples=150, deadline=None)
@@ -58,6 +62,10 @@ def test_trie_returns_only_wanted_live_targets_at_a_maximal_depth_within_bound(o
         elif op[0] == "forget":
             trie.forget(op[1])
             live.discard(op[1])
+        elif op[0] == "bound":
+            trie.bound(op[1], op[2])
+            if not trie.size_of(op[1]):
+                live.discard(op[1])
         else:
             chain, wanted = block_hashes(text_of(op[1])), op[2]
             depth, holders = trie.match(chain, wanted)

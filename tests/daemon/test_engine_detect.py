@@ -45,6 +45,7 @@ def test_unset_engines_are_detected_sglang_from_its_load_endpoint_and_vllm_from_
     poll(lambda: engines(lb.url, vllm_url)["vllm"] == 1.0, what="the vLLM page seen as vLLM")
     seen = replica(lb, vllm_url)
     assert seen["engine"] == "vllm" and seen["reports_pending"] and seen["kv_free_tokens"] == 65536
+    assert seen["kv_total_tokens"] == 65536  # idle: all of it free
     assert replica(lb, emu_url)["reports_pending"]
     assert sum(engines(lb.url, emu_url).values()) == 1.0  # one engine series per replica
 

@@ -91,6 +91,8 @@ def test_burst_waits_in_lb_not_in_engines(mode, engine):
     doc = poll(probed_both, what="both replicas probed")
     # an idle tiny emulator: all of its 2048 KV tokens are free, as its /metrics or /v1/loads says
     assert [r["kv_free_tokens"] for r in doc["replicas"]] == [2048, 2048], doc
+    # ...and its whole cache, which bounds the prefixes the trie remembers for it
+    assert [r["kv_total_tokens"] for r in doc["replicas"]] == [2048, 2048], doc
     try:
         t0 = time.monotonic()
         statuses, lb_peak, engine_peak = sampled_burst(d.url, urls)
