@@ -14,12 +14,17 @@ brought up to the LB:
   Reordering never jumps over an entry that has waited `max_bypass_s`.
 - *Hold for the holder*: a request whose best holder (among all live replicas serving it)
   has a match at least `min_gain` of its prompt longer than any free replica's waits for
-  that holder, at most `hold_bound` = max(`hold_s`, `hold_per_token_s` × its max_tokens);
-  past it, it goes wherever it can. The holder is busy with requests like this one (a
-  tree's other thoughts), so it frees a slot about when a thought of this length has
-  decoded: the bound grows with max_tokens. Recomputing elsewhere costs more than the
-  prefill when KV binds: the prefix then takes KV on two replicas, so fewer requests run
-  (sp-micro's long-thought regime: hold 1 s → cache hit 0.53; ~15 s → 0.7, docs/results.md).
+  that holder, at most `hold_bound` = max(`hold_s`, step × its max_tokens); past it, it
+  goes wherever it can. The holder is busy with requests like this one (a tree's other
+  thoughts), so it frees a slot about when a thought of this length has decoded: the bound
+  grows with max_tokens, at the fleet's learned inter-token time (`hold_per_token_s` until
+  one is learned). A fixed 0.06 s was an idle L4's step; a batch that fills its KV decodes
+  at ~0.1 s, and under overload holds then ran out before the holder freed a slot: SGLang's
+  shared-prefix benchmark at 1.3x capacity sent a third of its requests off their holder
+  and cached 0.59 of its prompt tokens; held for the learned step, 0.79 (docs/results.md).
+  Recomputing elsewhere costs more than the prefill when KV binds: the prefix then takes KV
+  on two replicas, so fewer requests run (sp-micro's long-thought regime: hold 1 s → cache
+  hit 0.53; ~15 s → 0.7, docs/results.md).
 - *Across regions*: with no local replica free, a request a busy local replica holds much
   more of than any peer region waits for it (at most `max_bypass_s`) rather than leave, and
   one whose context a peer region holds goes there, free local replica or not
@@ -51,8 +56,9 @@ from lb.core.types import PrefixMemory, QueueEntry, RequestFacts
 class AffinityConfig:
     window: int = 32  # queue entries considered for longest-match-first placement; 0: strict order
     hold_s: float = 1.0  # a request waits for its busy prefix holder at least this long (a few prefills of an 8B model on an L4)
-    # ...and up to this per token of its max_tokens: ~one batched decode step of an 8B model on an L4,
-    # so about as long as a thought of its length takes to decode on the holder
+    # ...and up to this per token of its max_tokens until the fleet's inter-token time is learned from
+    # answers (then that: about as long as an answer of its length takes to decode on the holder);
+    # 0.06 is ~one batched decode step of an 8B model on an L4
     hold_per_token_s: float = 0.06
     min_gain: float = 0.5  # ...and only if the holder's match beats every free replica's by this share of the prompt
     max_bypass_s: float = 2.0  # an entry waiting this long at the front of the queue is never held nor jumped over
