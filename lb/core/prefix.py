@@ -249,6 +249,34 @@ class PrefixTrie:
         del self._held[target]
 
 
+class BytesPerToken:
+    """The prompt bytes one token takes in this traffic, learned from the token counts the
+    engines report (`usage.prompt_tokens`): a ratio of running sums, so long prompts count for
+    more than the chat template's own tokens do in short ones. It turns an engine's KV size
+    in tokens into the trie's 128-byte blocks: English prose is ~4 bytes a token, source code
+    ~3, the emulator's short words 5-6, so a fixed guess bounds the trie up to half again too
+    loose or too tight."""
+
+    def __init__(self, alpha: float = 0.05):
+        self.alpha = alpha
+        self._bytes: float | None = None
+        self._tokens: float | None = None
+
+    def value(self) -> float:
+        if not self._tokens:
+            return float(CHARS_PER_TOKEN)  # ASCII text until an engine has said
+        return self._bytes / self._tokens
+
+    def observe(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        if prompt_bytes <= 0 or prompt_tokens <= 0:
+            return
+        if self._tokens is None:
+            self._bytes, self._tokens = float(prompt_bytes), float(prompt_tokens)
+            return
+        self._bytes += self.alpha * (prompt_bytes - self._bytes)
+        self._tokens += self.alpha * (prompt_tokens - self._tokens)
+
+
 class TrieMemory:
     """The prefix memory cache-affine scheduling asks (`lb.core.types.PrefixMemory`), over a
     policy's trie; the policies that remember prefixes mix it in."""
@@ -263,10 +291,10 @@ class TrieMemory:
         depth, holders = self.trie.match(chain, targets)
         return depth, len(chain), holders
 
-    def cache_size(self, target_id: str, kv_tokens: int) -> None:
+    def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float = CHARS_PER_TOKEN) -> None:
         """`target_id`'s engine holds `kv_tokens` of KV in all (its probes say): remember no
         more of its prefixes than fit there."""
-        self.trie.bound(target_id, kv_tokens * CHARS_PER_TOKEN // self.block_chars)
+        self.trie.bound(target_id, int(kv_tokens * bytes_per_token) // self.block_chars)
 
     def decode_step_s(self) -> float | None:
         """A trie learns no rates (`lb.core.predicted` does)."""

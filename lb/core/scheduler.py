@@ -69,7 +69,7 @@ from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecisio
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
-from lb.core.prefix import uncached_tokens
+from lb.core.prefix import BytesPerToken, uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
 
@@ -198,6 +198,7 @@ class Scheduler:
         self.policy = policy
         self.queue = queue
         self.affinity = AffinityScheduler(cfg.affinity, policy.prefix_memory)
+        self.bytes_per_token = BytesPerToken()  # what an engine's KV size in tokens is in trie blocks
         self.reconfigure(cfg)
         self.closed = False
         self._waiting: dict[str, int] = {}  # model → entries queued (kept as they come and go)
@@ -253,9 +254,12 @@ class Scheduler:
         self.queue.completed(facts, input_tokens, output_tokens)
 
     def served(self, facts: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
-               output_tokens: int, now: float) -> None:
-        """A replica answered a placed request: what it took feeds the policy's learned rates."""
+               output_tokens: int, now: float, prompt_tokens: int | None = None) -> None:
+        """A replica answered a placed request: what it took feeds the policy's learned rates,
+        and the prompt tokens it counted (when it says) the bytes a token takes here."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
+        if prompt_tokens and facts.prompt:
+            self.bytes_per_token.observe(len(facts.prompt.encode("utf-8", "surrogatepass")), prompt_tokens)
 
     def first_token(self, request_id: str, now: float) -> None:
         """A placed request's first token came back: its prefill no longer waits ahead of
@@ -411,7 +415,7 @@ class Scheduler:
                                 expires_at=now + predicted)
         memory = self.affinity.memory
         if memory is not None and target.view.kv_total_tokens:
-            memory.cache_size(target.view.id, target.view.kv_total_tokens)
+            memory.cache_size(target.view.id, target.view.kv_total_tokens, self.bytes_per_token.value())
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.prefix import DEFAULT_BLOCK_CHARS, PrefixTrie, block_hashes, request_chain
+from lb.core.prefix import DEFAULT_BLOCK_CHARS, BytesPerToken, PrefixTrie, block_hashes, request_chain
 from lb.core.types import RequestFacts
 
 BLOCK = DEFAULT_BLOCK_CHARS
@@ -141,3 +141,21 @@ def test_forget_removes_a_target_everywhere():
 def test_rejects_empty_bound():
     with pytest.raises(ValueError):
         PrefixTrie(max_nodes=0)
+
+
+def test_bytes_per_token_learns_the_traffics_own_ratio_weighting_long_prompts():
+    """An engine's KV in tokens becomes trie blocks at the bytes a token takes in this traffic:
+    4 (ASCII English) until an engine reports its count, then what the counts say; a ratio of
+    sums, so a short prompt's template tokens barely move it."""
+    per_token = BytesPerToken()
+    assert per_token.value() == 4.0
+    cjk = "提示缓存" * 500  # 2,000 characters, 6,000 bytes, ~2,000 tokens
+    per_token.observe(len(cjk.encode()), 2000)
+    assert per_token.value() == 3.0
+    for _ in range(20):
+        per_token.observe(len(cjk.encode()), 2000)
+        per_token.observe(len("hi".encode()), 12)  # a greeting inside a chat template
+    assert 2.5 < per_token.value() <= 3.0
+    per_token.observe(0, 10)
+    per_token.observe(10, 0)  # nothing to learn from
+    assert 2.5 < per_token.value() <= 3.0
