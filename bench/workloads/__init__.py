@@ -13,6 +13,7 @@ from bench.workloads.mixed_tree import MixedTree
 from bench.workloads.mooncake import Mooncake
 from bench.workloads.multiturn import MultiTurn
 from bench.workloads.servegen import ServeGen
+from bench.workloads.shared_prefix import SharedPrefix
 from bench.workloads.tot import TreeOfThoughts
 
 WORKLOADS: dict[str, Callable[..., object]] = {
@@ -22,6 +23,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "azure-conv": AzureConv,
     "mooncake": Mooncake,
     "servegen": ServeGen,
+    "shared-prefix": SharedPrefix,
 }
 
 

@@ -166,7 +166,7 @@ def test_pseudo_text_is_prefix_stable():
 def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
-    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen"}
+    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -174,3 +174,16 @@ def test_max_input_tokens_clips_long_contexts(name):
     specs = list(itertools.islice(make_workload(name, max_input_tokens=300).arrivals(), 100))
     lengths = [len(s.messages[0]["content"].split()) for s in specs]
     assert max(lengths) == 300 and min(lengths) >= 1
+
+
+def test_shared_prefix_is_sglangs_benchmark_shape_and_poisson_at_its_rate():
+    specs = list(itertools.islice(make_workload("shared-prefix", seed=3, total_rps=4.0).arrivals(), 2000))
+    systems = {s.meta["group"]: s.messages[0]["content"] for s in specs}
+    assert len(systems) == 64 and all(len(t.split()) == 2048 for t in systems.values())
+    assert all(s.messages[0]["content"] == systems[s.meta["group"]] for s in specs)  # one text per group
+    questions = [s.messages[1]["content"] for s in specs]
+    assert len(set(questions)) == len(specs) and all(len(q.split()) == 128 for q in questions)
+    assert all(s.max_tokens == 256 for s in specs)
+    assert 3.6 < len(specs) / specs[-1].at < 4.4  # arrivals at the asked rate
+    again = list(itertools.islice(make_workload("shared-prefix", seed=3, total_rps=4.0).arrivals(), 5))
+    assert [s.messages for s in again] == [s.messages for s in specs[:5]]  # a seed replays the same requests
