@@ -186,6 +186,32 @@ def shared_prefix_calls(seed: int) -> Iterator[Timed]:
         yield Timed(t, Call(f"gsp-{i}", "local", tokens, SHARED_PREFIX_OUTPUT_TOKENS))
 
 
+# Questions over documents: 200 documents of 1,000-4,000 tokens (fixed per document), each
+# request one of them, Zipf-popular (weight 1/rank), and a 64-token question; 128-token answers,
+# Poisson arrivals. Synthetic, added after the KV-bounded trie to check it beyond SGLang's
+# benchmark: a few documents are hot, most are cold, and all of them together are ~16x what
+# the fleet caches.
+DOC_QA_DOCUMENTS = 200
+DOC_QA_TOKENS = (1000, 4000)
+DOC_QA_QUESTION_TOKENS = 64
+DOC_QA_OUTPUT_TOKENS = 128
+
+
+def doc_qa_calls(seed: int) -> Iterator[Timed]:
+    sizes = rng_for(0, "doc-qa", "sizes")  # the same documents for every seed
+    lengths = [sizes.randint(*DOC_QA_TOKENS) for _ in range(DOC_QA_DOCUMENTS)]
+    weights = [1.0 / rank for rank in range(1, DOC_QA_DOCUMENTS + 1)]
+    rng = rng_for(seed, "doc-qa")
+    t = 0.0
+    for i in itertools.count():
+        t += rng.expovariate(1.0)
+        doc = rng.choices(range(DOC_QA_DOCUMENTS), weights)[0]
+        start = (1 << 48) + (doc << 20)
+        question = (i + 1) << 12
+        tokens = [*range(start, start + lengths[doc]), *range(question, question + DOC_QA_QUESTION_TOKENS)]
+        yield Timed(t, Call(f"docqa-{i}", "local", tokens, DOC_QA_OUTPUT_TOKENS))
+
+
 # -- the registry -------------------------------------------------------------------------
 TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
 
@@ -211,6 +237,11 @@ register(Workload("shared-prefix", f"SGLang's generated-shared-prefix benchmark 
                   f"{SHARED_PREFIX_QUESTION_TOKENS}-token questions, {SHARED_PREFIX_OUTPUT_TOKENS}-token answers, "
                   "Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
                   ONE_REGION, "replay", calls=shared_prefix_calls, natural_rps=lambda: 1.0))
+register(Workload("doc-qa", f"Questions over {DOC_QA_DOCUMENTS} documents of {DOC_QA_TOKENS[0]:,}-{DOC_QA_TOKENS[1]:,} "
+                  f"tokens, Zipf-popular (1/rank), {DOC_QA_QUESTION_TOKENS}-token questions, "
+                  f"{DOC_QA_OUTPUT_TOKENS}-token answers, Poisson arrivals (open loop); synthetic, added after the "
+                  "KV-bounded trie to check it, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=doc_qa_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "
