@@ -65,15 +65,16 @@ class Workload:
         scaled = (Timed(t.at * scale, t.call) for t in self.calls(seed))
         return Replay(arena, scaled, stop_at=stop_at)
 
-    def saturate(self, arena: Arena, *, seed: int, stop_at: float) -> None:
-        """Enough closed-loop clients to keep every replica full (for `capacity`)."""
+    def saturate(self, arena: Arena, *, seed: int, stop_at: float, per_replica: int | None = None) -> None:
+        """Closed-loop clients to keep every replica full (for `capacity`): `per_replica` of
+        them a replica (the kind's default when None)."""
         regions = [r.name for r in self.fleet.regions]
         if self.kind == "programs":
-            clients = PROGRAMS_PER_REPLICA * self.fleet.replicas
+            clients = (per_replica or PROGRAMS_PER_REPLICA[0]) * self.fleet.replicas
             programs = Programs(arena, self.make_program_workload(seed), stop_at=stop_at)
             programs.clients({name: clients // len(regions) for name in regions})
             return
-        clients = REPLAY_CLIENTS_PER_REPLICA * self.fleet.replicas
+        clients = (per_replica or REPLAY_CLIENTS_PER_REPLICA[0]) * self.fleet.replicas
         calls = self.calls(seed)
 
         def next_call(_done=None) -> None:
@@ -87,13 +88,16 @@ class Workload:
             next_call()
 
 
-# Closed-loop clients that saturate the fleet when capacity is measured. A program (a tree, a
-# conversation) has several requests in flight; a replayed call one, and short calls fit many
-# to a replica's KV: with 24 a replica, bursty tenants measured 6.54 req/s, with 48 8.18, 96
-# 8.26, 192 8.36 (shared-prefix 3.24, 3.44, 3.43, 3.43; doc-qa 4.08, 4.49, 4.49, 4.49; Mooncake
-# 4.34 and 4.38), so until 2026-11-27 a replay's "1.3x capacity" was ~1.0x for bursty tenants.
-PROGRAMS_PER_REPLICA = 24
-REPLAY_CLIENTS_PER_REPLICA = 64
+# Closed-loop clients a replica when capacity is measured: the fleet's capacity is the most it
+# completes over these counts. Too few leave room (a replayed call keeps one request in flight,
+# and short calls fit many to a replica's KV; a conversation keeps one too), too many thrash the
+# caches. Measured (one seed x 300 s, req/s for 24 / 48 / 96 a replica): bursty tenants 6.54 /
+# 8.18 / 8.26 (192: 8.36), shared-prefix 3.24 / 3.44 / 3.43, doc-qa 4.08 / 4.49 / 4.49;
+# multi-turn 10.40 / 17.24 / 16.47, heterogeneous 36.35 / 44.00 / 33.68, ToT 49.27 / 50.77,
+# three regions 72.07 / 78.75, Mixed Tree 60.2 / 53.23. Until 2026-11-27 only 24 was tried, and
+# multi-turn's "1.3x" was ~0.8x its peak.
+PROGRAMS_PER_REPLICA = (24, 48, 96)
+REPLAY_CLIENTS_PER_REPLICA = (64,)
 
 WORKLOADS: dict[str, Workload] = {}
 
