@@ -335,6 +335,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a bad --param reads as one line naming it, before anything starts
+        make_workload(args.workload, seed=args.seed, **dict(args.param))
+    except (ValueError, TypeError) as e:
+        print(f"lb-bench run: {e}", file=sys.stderr)
+        return 2
     try:
         import uvloop
         uvloop.install()

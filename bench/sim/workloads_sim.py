@@ -184,19 +184,27 @@ SHARED_PREFIX_QUESTION_TOKENS = 128
 SHARED_PREFIX_OUTPUT_TOKENS = 256
 
 
-def shared_prefix_calls(seed: int) -> Iterator[Timed]:
-    """A Poisson stream at 1 req/s before scaling; each request one of the 64 system prompts
-    (uniform, as the benchmark's shuffled 64 x 16 prompts) and a question of its own."""
-    rng = rng_for(seed, "shared-prefix")
+def prefixed_calls(seed: int, name: str, ids: str, lengths: list[int], weights: list[float] | None,
+                   question_tokens: int, output_tokens: int) -> Iterator[Timed]:
+    """A Poisson stream at 1 req/s before scaling; each request one shared prefix (prefix `k`
+    is `lengths[k]` tokens, drawn by `weights`, uniformly when None) and a question of its own."""
+    rng = rng_for(seed, name)
+    choices = range(len(lengths))
     t = 0.0
     for i in itertools.count():
         t += rng.expovariate(1.0)
-        group = rng.randrange(SHARED_PREFIX_GROUPS)
-        system = (1 << 48) + (group << 20)  # token ranges apart from the questions'
+        k = rng.randrange(len(lengths)) if weights is None else rng.choices(choices, weights)[0]
+        prefix = (1 << 48) + (k << 20)  # token ranges apart from the questions'
         question = (i + 1) << 12
-        tokens = [*range(system, system + SHARED_PREFIX_SYSTEM_TOKENS),
-                  *range(question, question + SHARED_PREFIX_QUESTION_TOKENS)]
-        yield Timed(t, Call(f"gsp-{i}", "local", tokens, SHARED_PREFIX_OUTPUT_TOKENS))
+        tokens = [*range(prefix, prefix + lengths[k]), *range(question, question + question_tokens)]
+        yield Timed(t, Call(f"{ids}-{i}", "local", tokens, output_tokens))
+
+
+def shared_prefix_calls(seed: int) -> Iterator[Timed]:
+    """Each request one of the 64 system prompts, uniformly (as the benchmark's shuffled 64 x 16
+    prompts), and a question of its own."""
+    return prefixed_calls(seed, "shared-prefix", "gsp", [SHARED_PREFIX_SYSTEM_TOKENS] * SHARED_PREFIX_GROUPS, None,
+                          SHARED_PREFIX_QUESTION_TOKENS, SHARED_PREFIX_OUTPUT_TOKENS)
 
 
 # Questions over documents: 200 documents of 1,000-4,000 tokens (fixed per document), each
@@ -214,15 +222,7 @@ def doc_qa_calls(seed: int) -> Iterator[Timed]:
     sizes = rng_for(0, "doc-qa", "sizes")  # the same documents for every seed
     lengths = [sizes.randint(*DOC_QA_TOKENS) for _ in range(DOC_QA_DOCUMENTS)]
     weights = [1.0 / rank for rank in range(1, DOC_QA_DOCUMENTS + 1)]
-    rng = rng_for(seed, "doc-qa")
-    t = 0.0
-    for i in itertools.count():
-        t += rng.expovariate(1.0)
-        doc = rng.choices(range(DOC_QA_DOCUMENTS), weights)[0]
-        start = (1 << 48) + (doc << 20)
-        question = (i + 1) << 12
-        tokens = [*range(start, start + lengths[doc]), *range(question, question + DOC_QA_QUESTION_TOKENS)]
-        yield Timed(t, Call(f"docqa-{i}", "local", tokens, DOC_QA_OUTPUT_TOKENS))
+    return prefixed_calls(seed, "doc-qa", "docqa", lengths, weights, DOC_QA_QUESTION_TOKENS, DOC_QA_OUTPUT_TOKENS)
 
 
 # -- the registry -------------------------------------------------------------------------

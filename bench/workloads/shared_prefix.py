@@ -24,6 +24,12 @@ class SharedPrefix:
     output_tokens: int = 256
     name: str = "shared-prefix"
 
+    def __post_init__(self) -> None:
+        for key in ("total_rps", "groups", "system_tokens", "question_tokens", "output_tokens"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"shared-prefix: {key} must be > 0 (got {getattr(self, key)!r}); "
+                                 f"e.g. --param {key}={getattr(type(self), key)}")
+
     def arrivals(self) -> Iterator[RequestSpec]:
         rng = rng_for(self.seed, "shared-prefix")
         t = 0.0

@@ -41,7 +41,10 @@ Chain = tuple[bytes, ...]
 
 def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS, salt: str | None = None) -> Chain:
     """Chain of 16-byte block hashes of `text`; element i depends on blocks 0..i."""
-    data = text.encode("utf-8", "surrogatepass")
+    return _chain_of(text.encode("utf-8", "surrogatepass"), block_chars, salt)
+
+
+def _chain_of(data: bytes, block_chars: int, salt: str | None) -> Chain:
     prev = mmh3.hash_bytes(b"lb-tenant:" + salt.encode("utf-8", "surrogatepass")) if salt is not None else b""
     chain = []
     hash_bytes = mmh3.hash_bytes
@@ -51,14 +54,28 @@ def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS, salt: str | 
     return tuple(chain)
 
 
+_PROMPT_BYTES = "lb.prefix.prompt_bytes"
+
+
 def request_chain(req: RequestFacts, block_chars: int = DEFAULT_BLOCK_CHARS, isolate_tenants: bool = False) -> Chain:
-    """The request's chain, hashed once and cached on the facts for every later caller."""
+    """The request's chain, hashed once and cached on the facts for every later caller (with
+    the prompt's size in bytes, which `prompt_bytes` then reads without encoding it again)."""
     salt = (req.user or "") if isolate_tenants else None
     key = ("lb.prefix.chain", block_chars, salt)
     chain = req.extra.get(key)
     if chain is None:
-        chain = req.extra[key] = block_hashes(req.prompt, block_chars, salt)
+        data = req.prompt.encode("utf-8", "surrogatepass")
+        req.extra[_PROMPT_BYTES] = len(data)
+        chain = req.extra[key] = _chain_of(data, block_chars, salt)
     return chain
+
+
+def prompt_bytes(req: RequestFacts) -> int:
+    """The prompt's UTF-8 size (cached by `request_chain` when the request was hashed)."""
+    size = req.extra.get(_PROMPT_BYTES)
+    if size is None:
+        size = req.extra[_PROMPT_BYTES] = len(req.prompt.encode("utf-8", "surrogatepass"))
+    return size
 
 
 def uncached_tokens(prompt_tokens: float, depth: int, blocks: int) -> float:
@@ -291,7 +308,7 @@ class TrieMemory:
         depth, holders = self.trie.match(chain, targets)
         return depth, len(chain), holders
 
-    def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float = CHARS_PER_TOKEN) -> None:
+    def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float) -> None:
         """`target_id`'s engine holds `kv_tokens` of KV in all (its probes say): remember no
         more of its prefixes than fit there."""
         self.trie.bound(target_id, int(kv_tokens * bytes_per_token) // self.block_chars)

@@ -69,7 +69,7 @@ from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecisio
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              is_available, push_tokens, record_push)
-from lb.core.prefix import BytesPerToken, uncached_tokens
+from lb.core.prefix import BytesPerToken, prompt_bytes, uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
 
@@ -258,8 +258,8 @@ class Scheduler:
         """A replica answered a placed request: what it took feeds the policy's learned rates,
         and the prompt tokens it counted (when it says) the bytes a token takes here."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
-        if prompt_tokens and facts.prompt:
-            self.bytes_per_token.observe(len(facts.prompt.encode("utf-8", "surrogatepass")), prompt_tokens)
+        if prompt_tokens and facts.prompt and self.affinity.memory is not None:  # only a trie uses it
+            self.bytes_per_token.observe(prompt_bytes(facts), prompt_tokens)
 
     def first_token(self, request_id: str, now: float) -> None:
         """A placed request's first token came back: its prefill no longer waits ahead of

@@ -139,8 +139,9 @@ class PrefixMemory(Protocol):
         """(matched blocks, prompt blocks, holders) of the longest prefix of `req` that a
         target in `targets` holds."""
 
-    def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float = 4.0) -> None:
-        """The target's engine holds `kv_tokens` of KV in all: remember no more than fits."""
+    def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float) -> None:
+        """The target's engine holds `kv_tokens` of KV in all, `bytes_per_token` of prompt each:
+        remember no more than fits."""
 
     def decode_step_s(self) -> float | None:
         """The fleet's typical inter-token time as learned from its answers (None: not learned)."""

@@ -187,3 +187,17 @@ def test_shared_prefix_is_sglangs_benchmark_shape_and_poisson_at_its_rate():
     assert 3.6 < len(specs) / specs[-1].at < 4.4  # arrivals at the asked rate
     again = list(itertools.islice(make_workload("shared-prefix", seed=3, total_rps=4.0).arrivals(), 5))
     assert [s.messages for s in again] == [s.messages for s in specs[:5]]  # a seed replays the same requests
+
+
+@pytest.mark.parametrize("param", ["total_rps", "groups", "system_tokens", "question_tokens", "output_tokens"])
+def test_shared_prefix_refuses_a_non_positive_parameter_by_name(param):
+    with pytest.raises(ValueError, match=f"shared-prefix: {param} must be > 0"):
+        make_workload("shared-prefix", **{param: 0})
+
+
+def test_lb_bench_run_names_a_bad_param_in_one_line_before_anything_starts(capsys):
+    from bench.cli import main
+
+    assert main(["run", "--target", "http://127.0.0.1:9", "--workload", "shared-prefix",
+                 "--param", "total_rps=-1", "--duration", "1"]) == 2
+    assert "shared-prefix: total_rps must be > 0" in capsys.readouterr().err

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.prefix import DEFAULT_BLOCK_CHARS, BytesPerToken, PrefixTrie, block_hashes, request_chain
+from lb.core.prefix import DEFAULT_BLOCK_CHARS, BytesPerToken, PrefixTrie, block_hashes, prompt_bytes, request_chain
 from lb.core.types import RequestFacts
 
 BLOCK = DEFAULT_BLOCK_CHARS
@@ -159,3 +159,11 @@ def test_bytes_per_token_learns_the_traffics_own_ratio_weighting_long_prompts():
     per_token.observe(0, 10)
     per_token.observe(10, 0)  # nothing to learn from
     assert 2.5 < per_token.value() <= 3.0
+
+
+def test_prompt_bytes_comes_with_the_chain_and_counts_utf8():
+    req = RequestFacts(request_id="r", model="m", prompt="提示" * 100)
+    request_chain(req)  # hashing encodes the prompt once and keeps its size
+    assert req.extra["lb.prefix.prompt_bytes"] == 600
+    assert prompt_bytes(req) == 600
+    assert prompt_bytes(RequestFacts(request_id="s", model="m", prompt="héllo")) == 6  # not hashed: encoded here
