@@ -4,7 +4,7 @@ One aiohttp session (a keep-alive pool) streams every request with
 `stream_options.include_usage`, timing TTFT, inter-chunk gaps and E2E and reading the token
 counts from the usage chunk (`--no-stream`: asks for whole answers, as batch and many
 third-party clients do; E2E and usage only, no TTFT). Closed-loop workloads run `--clients`
-programs at a time; open-loop replays fire at trace times divided by `--time-scale`. A run
+programs at a time; open-loop replays fire at trace times divided by `--time-scale` (an agent's tool runs too). A run
 stops issuing at `--duration` or after `--requests`, and a hard `--deadline` cancels whatever
 is still in flight (reported as errors of kind `deadline`), so every run ends by itself.
 """
@@ -217,8 +217,17 @@ class Bench:
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     for spec in program.on_done(running.pop(task), task.result()):
-                        if self.may_issue():
+                        if spec.delay_s > 0:  # a tool runs first (its time scaled as the engines')
+                            running[asyncio.ensure_future(self.issue_after(session, spec))] = spec
+                        elif self.may_issue():
                             running[self.issue(session, spec)] = spec
+
+    async def issue_after(self, session: aiohttp.ClientSession, spec: RequestSpec) -> str | None:
+        """`spec` sent once its tool has run; None (the program stops) when the run is over."""
+        await asyncio.sleep(spec.delay_s / self.time_scale)
+        if not self.may_issue():
+            return None
+        return await self.issue(session, spec)
 
     async def open_loop(self, session: aiohttp.ClientSession, arrivals: Iterator[RequestSpec]) -> None:
         tasks = []
@@ -325,7 +334,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"seconds (default duration + {DEFAULT_GRACE_S:.0f}, or {DEFAULT_DEADLINE_S:.0f})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model name (default: the target's first /v1/models entry)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="replay F× faster (open loop)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="replay F× faster (open loop) and run agent tools F× faster (closed loop)")
     parser.add_argument("--param", action="append", type=parse_param, default=[],
                         help="workload parameter KEY=VALUE (JSON values), e.g. output_tokens=32")
     parser.add_argument("--out", type=Path, help="write the run JSON here")

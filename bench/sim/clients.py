@@ -64,7 +64,7 @@ def call_of(spec: RequestSpec, region: str) -> Call:
 class Programs:
     """Closed-loop programs of one workload (`program(client, index)`) sent into an arena
     until `stop_at`; a program's next requests go out the moment their parent's last
-    token is back at the client, as the live client does."""
+    token is back at the client, or `delay_s` later (a tool's run), as the live client does."""
 
     def __init__(self, arena: Arena, workload, *, stop_at: float, max_requests: int | None = None):
         self.arena, self.workload, self.stop_at = arena, workload, stop_at
@@ -84,7 +84,18 @@ class Programs:
         for nxt in program.on_done(spec, output_text(spec.request_id, done.output_tokens)):
             if self.may_issue():
                 program.pending += 1
-                self._send(program, nxt, region, on_end)
+                if nxt.delay_s > 0:  # a tool runs first: the request leaves when it is done
+                    self.arena.loop.at(self.arena.loop.now + nxt.delay_s, self._after_delay, program, nxt, region, on_end)
+                else:
+                    self._send(program, nxt, region, on_end)
+        if program.pending == 0 and on_end is not None:
+            on_end()
+
+    def _after_delay(self, program, spec: RequestSpec, region: str, on_end) -> None:
+        if self.may_issue():
+            self._send(program, spec, region, on_end)
+            return
+        program.pending -= 1
         if program.pending == 0 and on_end is not None:
             on_end()
 

@@ -22,6 +22,7 @@ from bench import traces
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Timed
 from bench.workloads import make_workload
+from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
 from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
 
@@ -255,6 +256,12 @@ register(Workload("doc-qa", f"Questions over {DOC_QA_DOCUMENTS} documents of {DO
                   f"{DOC_QA_OUTPUT_TOKENS}-token answers, Poisson arrivals (open loop); synthetic, added after the "
                   "KV-bounded trie to check it, 4 L4 replicas",
                   ONE_REGION, "replay", calls=doc_qa_calls, natural_rps=lambda: 1.0))
+register(Workload("agent", "Tool-using agent sessions, a coding agent's shape scaled to an 8k context: a shared "
+                  "1,500-token system prompt, a task, 4-16 steps each appending the answer and a 50-1,500-token "
+                  "tool observation, ~1 s tool runs between steps (closed loop); held out: added after the policy "
+                  "was settled, 4 L4 replicas",
+                  ONE_REGION, "programs", duration_s=600.0, quick_duration_s=300.0,  # a session lasts ~1-2 min
+                  program={"workload": "agent"}, requests_per_program=Agent().mean_steps()))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "

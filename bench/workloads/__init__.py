@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from bench.workloads.agent import Agent
 from bench.workloads.azure_conv import AzureConv
 from bench.workloads.base import ClosedLoopWorkload, OpenLoopWorkload, RequestSpec
 from bench.workloads.mixed_tree import MixedTree
@@ -24,6 +25,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "mooncake": Mooncake,
     "servegen": ServeGen,
     "shared-prefix": SharedPrefix,
+    "agent": Agent,
 }
 
 

@@ -45,6 +45,7 @@ class RequestSpec:
     tier: str | None = None  # iw-f | iw-n | niw
     residency: str | None = None
     at: float = 0.0  # open loop: arrival, seconds from the start of the replay (unscaled)
+    delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
     meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
 
     def headers(self) -> dict[str, str]:

@@ -157,3 +157,30 @@ def test_http_errors_are_counted_by_kind(tmp_path, emulator):
     report = json.loads(out.read_text())
     assert report["errors_by_kind"] == {"http_404": 5} and report["ok"] == 0
     assert report["ttft_s"] == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_an_agent_step_waits_for_its_tool_run_scaled_as_the_engines_time(tmp_path, emulator):
+    from bench.workloads.agent import Agent
+
+    params = {"system_tokens": 60, "task_tokens": [10, 20], "observation_tokens": [5, 20],
+              "output_tokens": [4, 8], "steps": [4, 6], "think_mean_s": 0.6, "max_context": 1500}
+    records_path = tmp_path / "records.jsonl"
+    args = ["--workload", "agent", "--clients", "2", "--requests", "12", "--time-scale", "2",
+            "--records", str(records_path)]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    report, _ = bench_run(tmp_path, emulator, *args)
+    assert report["ok"] == 12 and report["errors"] == 0
+    records = {r["request_id"]: r for r in map(json.loads, records_path.read_text().splitlines())}
+    workload, gaps = Agent(**params), 0
+    for client in range(2):
+        for index in range(6):
+            steps = workload.draw(client, index)[1]
+            for k in range(len(steps) - 1):
+                prev, nxt = (records.get(f"agent-c{client}-{index}-step{j}") for j in (k, k + 1))
+                if prev is None or nxt is None:
+                    continue
+                # sent no sooner than its tool's run (at --time-scale 2) after the answer ended
+                assert nxt["start"] - (prev["start"] + prev["e2e"]) >= steps[k].think_s / 2 - 0.01
+                gaps += 1
+    assert gaps >= 6

@@ -316,3 +316,31 @@ def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_pat
 
     assert compare.run(compare.argparse.Namespace(**{**vars(args), "systems": "list"})) == 0
     assert capsys.readouterr().out.splitlines()[-len(compare.systems()):] == compare.systems()
+
+
+def test_a_simulated_agent_step_leaves_when_its_tool_has_run_and_finds_its_session_cached():
+    """The simulated client waits out each step's tool run (virtual time, exactly) before it
+    sends the next step, as the live client does; a step served where its session's last one
+    ran finds that prompt and its answer cached, with nothing to evict them on a light fleet."""
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import get
+    from bench.workloads.agent import Agent
+
+    arena = make_arena("agent", "lb", seed=2)
+    get("agent").drive(arena, seed=2, rate_rps=0.5, stop_at=200.0)
+    arena.loop.run(200.0)
+    done = {d.req.id: d for d in arena.done}
+    plans, checked, same, found = Agent(seed=2), 0, 0, 0
+    for rid, d in done.items():
+        session, step = rid.rsplit("-step", 1)
+        prev = done.get(f"{session}-step{int(step) - 1}")
+        if prev is None:
+            continue
+        client, index = (int(x) for x in session.removeprefix("agent-c").split("-"))
+        think = plans.draw(client, index)[1][int(step) - 1].think_s
+        assert d.sent_at == pytest.approx(prev.sent_at + prev.e2e + think, abs=1e-6)
+        checked += 1
+        if d.req.served_by == prev.req.served_by:
+            same += 1
+            found += d.cached_tokens >= (prev.prompt_tokens + prev.output_tokens) // 16 * 16
+    assert checked > 30 and same > 30 and found >= 0.95 * same

@@ -166,7 +166,7 @@ def test_pseudo_text_is_prefix_stable():
 def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
-    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix"}
+    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -201,3 +201,39 @@ def test_lb_bench_run_names_a_bad_param_in_one_line_before_anything_starts(capsy
     assert main(["run", "--target", "http://127.0.0.1:9", "--workload", "shared-prefix",
                  "--param", "total_rps=-1", "--duration", "1"]) == 2
     assert "shared-prefix: total_rps must be > 0" in capsys.readouterr().err
+
+
+def test_agent_sessions_grow_by_answer_and_observation_wait_for_the_tool_and_stop_at_the_context_cap():
+    from bench.sim.clients import encode_chat, output_text
+    from bench.workloads.agent import Agent
+
+    workload = make_workload("agent", seed=4)
+    sessions = [workload.program(client=c, index=i) for c in range(3) for i in range(20)]
+    systems = {s.system for s in sessions}
+    assert len(systems) == 1 and len(systems.pop().split()) == 1500  # one agent, one system prompt
+    lengths = []
+    for session in sessions:
+        sent = run_program(session)
+        assert [s.stage for s in sent] == list(range(len(session.steps))) and sent[-1].final
+        assert sent[0].delay_s == 0
+        for k, (prev, nxt) in enumerate(zip(sent, sent[1:])):
+            assert nxt.messages[: len(prev.messages)] == prev.messages  # the context only grows
+            assert nxt.messages[len(prev.messages)]["content"] == f"answer to {prev.request_id}"
+            assert len(nxt.messages[-1]["content"].split()) == session.steps[k].observation_tokens
+            assert nxt.delay_s == session.steps[k].think_s <= 5.0
+            assert nxt.max_tokens == session.steps[k + 1].output_tokens
+        lengths.append(len(sent))
+        # with answers of their real length, every prompt (rendered and tokenized as the
+        # emulator and the simulator do) plus its answer fits the cap
+        whole = run_program(session, output=lambda spec: output_text(spec.request_id, spec.max_tokens))
+        assert max(len(encode_chat(s.messages)) + s.max_tokens for s in whole) <= 7000
+    assert 4 <= min(lengths) and max(lengths) <= 16 and len(set(lengths)) > 3
+    assert Agent(seed=4).mean_steps(200) == pytest.approx(sum(len(Agent(seed=4).draw(0, i)[1]) for i in range(200)) / 200)
+    assert run_program(make_workload("agent", seed=4).program(1, 2))[-1].messages == run_program(
+        workload.program(1, 2))[-1].messages  # a seed replays the same sessions
+
+
+@pytest.mark.parametrize("param,value", [("steps", [0, 3]), ("output_tokens", [9, 3]), ("max_context", 100)])
+def test_agent_refuses_a_bad_range_or_a_cap_its_first_step_cannot_fit(param, value):
+    with pytest.raises(ValueError, match=f"agent: {param}"):
+        make_workload("agent", **{param: value})
