@@ -83,7 +83,7 @@ class Compare:
     # single region
     replicas: int = 4
     clients: int = 8
-    time_scale: float = 1.0  # open-loop replays
+    time_scale: float = 1.0  # open-loop replays and agents' tool runs
     # multi-region (when set): clients per region, replicas per region, one-way WAN latency
     regions: list[RegionSpec] | None = None
     latency_ms: dict[str, float] = field(default_factory=dict)
