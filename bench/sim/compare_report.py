@@ -163,3 +163,54 @@ def sweep_plot(workload: str, summaries: dict[float, dict], out: Path) -> None:
     for f in loads:
         lines += [f"## load {f:g}", "", table(summaries[f]), ""]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def suite_table(summaries: dict[str, dict[float, dict]]) -> str:
+    """One row per workload, one column per load: `lb` / the best peer's throughput (window),
+    / the best peer's requests served over the run, `lb`'s TTFT p90 / the lowest peer's,
+    / `cache_aware`'s; `*` where `lb` is behind with the 95 % intervals apart on any of them."""
+    loads = sorted({f for by_load in summaries.values() for f in by_load})
+    rows = ["| workload (capacity req/s) | " + " | ".join(f"{f:g}" for f in loads) + " |",
+            "|---|" + "---|" * len(loads)]
+    for workload, by_load in summaries.items():
+        capacity = next(iter(by_load.values()))["capacity_rps"]
+        cells = []
+        for f in loads:
+            st = standing(by_load[f]) if f in by_load else None
+            cells.append("-" if st is None else f"{st['throughput']} / {st['served']} / {st['p90']} / "
+                         f"{st['p90_vs_cache_aware']}{'*' if st['behind'] else ''}")
+        rows.append(f"| {workload} ({capacity:.2f}) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def read_sweep(folder: Path) -> dict[float, dict]:
+    """The per-load summaries a `sim-compare W --sweep --out FOLDER` wrote."""
+    import json
+
+    by_load = {}
+    for path in sorted(folder.glob("load-*/summary.json")):
+        summary = json.loads(path.read_text())
+        by_load[summary["load"]] = summary
+    if not by_load:
+        raise SystemExit(f"{folder}: no load-*/summary.json (run `lb-bench sim-compare W --sweep --out {folder}`)")
+    return by_load
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.sim.compare_report SWEEP_DIR...`: the suite's standing, one row a sweep."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.sim.compare_report", description=main.__doc__)
+    parser.add_argument("sweeps", nargs="+", type=Path, help="folders written by `lb-bench sim-compare W --sweep --out F`")
+    args = parser.parse_args(argv)
+    summaries: dict[str, dict[float, dict]] = {}
+    for folder in args.sweeps:  # sweeps of one workload's systems in parts are joined
+        for load, summary in read_sweep(folder).items():
+            known = summaries.setdefault(summary["workload"], {}).setdefault(load, summary)
+            known["systems"] = {**known["systems"], **summary["systems"]}
+    print(suite_table(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

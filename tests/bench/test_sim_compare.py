@@ -186,14 +186,17 @@ def test_simulated_clients_tokenize_prompts_exactly_as_the_emulator():
             specs.extend(program.on_done(spec, output_text(spec.request_id, spec.max_tokens)))
 
 
+def entry(thr, thr_ci, p90, p90_ci):
+    """One system's figures in a sim-compare summary."""
+    return {"throughput_rps": {"median": thr, "ci95": thr_ci}, "served_rps": {"median": thr, "ci95": thr_ci},
+            "ttft_p50_s": {"median": 0.1, "ci95": [0.1, 0.1]},
+            "ttft_p90_s": {"median": p90, "ci95": p90_ci}, "e2e_p50_s": {"median": 1.0, "ci95": [1.0, 1.0]},
+            "cached_ratio": {"median": 0.9, "ci95": [0.9, 0.9]}, "errors": 0, "cut_at_deadline": 0}
+
+
 def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part():
     from bench.sim.compare_report import standing, table
 
-    def entry(thr, thr_ci, p90, p90_ci):
-        return {"throughput_rps": {"median": thr, "ci95": thr_ci}, "served_rps": {"median": thr, "ci95": thr_ci},
-                "ttft_p50_s": {"median": 0.1, "ci95": [0.1, 0.1]},
-                "ttft_p90_s": {"median": p90, "ci95": p90_ci}, "e2e_p50_s": {"median": 1.0, "ci95": [1.0, 1.0]},
-                "cached_ratio": {"median": 0.9, "ci95": [0.9, 0.9]}, "errors": 0, "cut_at_deadline": 0}
     summary = {"systems": {
         "lb": entry(10.0, [9.5, 10.5], 0.60, [0.59, 0.62]),
         "lb prefix-trie": entry(20.0, [20.0, 20.0], 0.10, [0.10, 0.10]),  # a variant of lb, never a peer
@@ -216,6 +219,29 @@ def test_standing_names_the_peers_and_says_behind_only_when_the_intervals_part()
     assert st["best_by_served"] == "sglang-router round_robin" and st["served"] == "0.94x"
     assert st["behind"] == ["served over the run (sglang-router round_robin)"]
     assert "| 9.00 [8.90, 9.10] |" in table(summary)
+
+
+def test_the_suite_table_joins_a_workloads_sweeps_run_in_parts_and_stars_a_cell_where_lb_is_behind(tmp_path, capsys):
+    from bench.sim.compare_report import main
+
+    def write(folder, load, systems):
+        (tmp_path / folder / f"load-{load}").mkdir(parents=True)
+        (tmp_path / folder / f"load-{load}" / "summary.json").write_text(json.dumps(
+            {"workload": "tot", "load": load, "capacity_rps": 50.0, "systems": systems}))
+
+    lb = {0.5: entry(20.0, [19.0, 21.0], 0.30, [0.29, 0.31]), 1.3: entry(50.0, [49.0, 51.0], 2.0, [1.9, 2.1])}
+    cache_aware = {0.5: entry(19.0, [18.0, 20.0], 0.60, [0.55, 0.65]), 1.3: entry(30.0, [29.0, 31.0], 6.0, [5.5, 6.5])}
+    for load in (0.5, 1.3):  # the peers in two runs, lb in both (as `--systems` splits them)
+        write("a", load, {"lb": lb[load], "sglang-router cache_aware": cache_aware[load]})
+    write("b", 0.5, {"lb": lb[0.5], "nginx hash-session": entry(20.5, [19.5, 21.5], 0.25, [0.20, 0.28])})
+    write("b", 1.3, {"lb": lb[1.3], "nginx hash-session": entry(40.0, [39.0, 41.0], 8.0, [7.0, 9.0])})
+    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0] == "| workload (capacity req/s) | 0.5 | 1.3 |"
+    # 0.5: hash-session leads on throughput (overlapping) and p90 (apart: starred); 1.3: lb ahead
+    assert rows[2] == "| tot (50.00) | 0.98x / 0.98x / 1.20x / 0.50x* | 1.25x / 1.25x / 0.33x / 0.33x |"
+    with pytest.raises(SystemExit, match="no load-"):
+        main([str(tmp_path)])
 
 
 def test_clients_that_do_not_stream_show_lb_no_first_token():
