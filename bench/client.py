@@ -217,9 +217,11 @@ class Bench:
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     for spec in program.on_done(running.pop(task), task.result()):
+                        if not self.may_issue():
+                            continue
                         if spec.delay_s > 0:  # a tool runs first (its time scaled as the engines')
                             running[asyncio.ensure_future(self.issue_after(session, spec))] = spec
-                        elif self.may_issue():
+                        else:
                             running[self.issue(session, spec)] = spec
 
     async def issue_after(self, session: aiohttp.ClientSession, spec: RequestSpec) -> str | None:
