@@ -88,14 +88,18 @@ class Programs:
                     self.arena.loop.at(self.arena.loop.now + nxt.delay_s, self._after_delay, program, nxt, region, on_end)
                 else:
                     self._send(program, nxt, region, on_end)
-        if program.pending == 0 and on_end is not None:
-            on_end()
+        self._settle(program, on_end)
 
     def _after_delay(self, program, spec: RequestSpec, region: str, on_end) -> None:
         if self.may_issue():
             self._send(program, spec, region, on_end)
             return
         program.pending -= 1
+        self._settle(program, on_end)
+
+    @staticmethod
+    def _settle(program, on_end: Callable[[], None] | None) -> None:
+        """A program with nothing in flight or waiting on a tool has ended."""
         if program.pending == 0 and on_end is not None:
             on_end()
 
@@ -109,8 +113,7 @@ class Programs:
             if self.may_issue():
                 program.pending += 1
                 self._send(program, spec, region, on_end)
-        if program.pending == 0 and on_end is not None:
-            on_end()
+        self._settle(program, on_end)
 
     def clients(self, per_region: dict[str, int]) -> None:
         """Fixed clients: each runs programs 0, 1, 2, ... one after another."""

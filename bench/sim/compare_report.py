@@ -1,6 +1,8 @@
 """What `sim-compare` writes besides summary.json: the table, report.md and the plots."""
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -185,8 +187,6 @@ def suite_table(summaries: dict[str, dict[float, dict]]) -> str:
 
 def read_sweep(folder: Path) -> dict[float, dict]:
     """The per-load summaries a `sim-compare W --sweep --out FOLDER` wrote."""
-    import json
-
     by_load = {}
     for path in sorted(folder.glob("load-*/summary.json")):
         summary = json.loads(path.read_text())
@@ -198,8 +198,6 @@ def read_sweep(folder: Path) -> dict[float, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.sim.compare_report SWEEP_DIR...`: the suite's standing, one row a sweep."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m bench.sim.compare_report", description=main.__doc__)
     parser.add_argument("sweeps", nargs="+", type=Path, help="folders written by `lb-bench sim-compare W --sweep --out F`")
     args = parser.parse_args(argv)

@@ -77,12 +77,14 @@ class Agent:
 
     def __post_init__(self) -> None:
         for key in ("task_tokens", "steps", "output_tokens", "observation_tokens"):
-            lo, hi = getattr(self, key)
-            if not 0 < lo <= hi:
-                raise ValueError(f"agent: {key} must be a range 0 < low <= high (got {(lo, hi)!r}); "
-                                 f"e.g. --param {key}={getattr(type(self), key)}")
-        if self.think_mean_s < 0 or self.think_max_s < 0:
-            raise ValueError("agent: think_mean_s and think_max_s must be >= 0")
+            value = getattr(self, key)
+            if not (isinstance(value, (list, tuple)) and len(value) == 2 and 0 < value[0] <= value[1]):
+                low, high = getattr(type(self), key)
+                raise ValueError(f"agent: {key} must be a range [low, high] with 0 < low <= high (got {value!r}); "
+                                 f"e.g. --param {key}=[{low},{high}]")
+        for key in ("system_tokens", "think_mean_s", "think_max_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"agent: {key} must be >= 0 (got {getattr(self, key)!r})")
         first = self.system_tokens + self.task_tokens[1] + self.output_tokens[1] + 3 * MESSAGE_OVERHEAD_TOKENS
         if self.max_context < first:
             raise ValueError(f"agent: max_context must hold the first step ({first} tokens); got {self.max_context}")

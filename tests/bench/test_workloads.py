@@ -233,7 +233,8 @@ def test_agent_sessions_grow_by_answer_and_observation_wait_for_the_tool_and_sto
         workload.program(1, 2))[-1].messages  # a seed replays the same sessions
 
 
-@pytest.mark.parametrize("param,value", [("steps", [0, 3]), ("output_tokens", [9, 3]), ("max_context", 100)])
+@pytest.mark.parametrize("param,value", [("steps", [0, 3]), ("output_tokens", [9, 3]), ("steps", 5),
+                                         ("think_mean_s", -1), ("max_context", 100)])
 def test_agent_refuses_a_bad_range_or_a_cap_its_first_step_cannot_fit(param, value):
     with pytest.raises(ValueError, match=f"agent: {param}"):
         make_workload("agent", **{param: value})
