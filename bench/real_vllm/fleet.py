@@ -7,8 +7,15 @@
 `vllm` mode starts four `vllm.entrypoints.openai.api_server` processes on 127.0.0.1:8001-8004
 (random weights via `--load-format dummy`, 8 GiB of KV each, so four share one H100/H200), then
 runs `lb` (default policy, SP-P), `lb` with blind pushing, `lb`'s consistent-hash policy (the
-stand-in for nginx `hash $session consistent`) and clients round-robining over the replicas
-directly, `rounds` times interleaved. Every run starts from empty prefix caches (vLLM dev mode's
+stand-in for nginx `hash $session consistent`), SGLang Router `cache_aware` (SkyWalker's
+blind-pushing baseline) and clients round-robining over the replicas directly, `rounds` times
+interleaved. The environment picks the engines' working point and the systems:
+
+    CLIENTS=30 KV_GIB=1 MAX_MODEL_LEN=4096 MAX_NUM_SEQS=16 SYSTEMS='lb,lb blind' python -m ...
+
+`KV_GIB` is each replica's KV cache (GiB; the emulators get as many tokens at this shape's
+128 KiB a token), `MAX_NUM_SEQS` vLLM's batch cap (the emulators' `--max-running`); a small KV
+or cap is what makes engines queue, the only place selective pushing can differ from blind. Every run starts from empty prefix caches (vLLM dev mode's
 `POST /reset_prefix_cache`), reads the engines' own counters before and after (prefix-cache hits,
 preemptions) and samples their running/waiting every 0.25 s. Rows go to OUT/summary.json as
 they finish; logs to OUT/logs.tgz. Not part of the test suite's GPU-free CI beyond `emu` mode.
@@ -29,6 +36,10 @@ from lb.core.loadparse import prometheus_values
 MODE = MODEL = OUT = LOGS = None
 ROUNDS, DURATION = 2, 25.0
 CLIENTS = int(os.environ.get("CLIENTS", "30"))
+KV_GIB = float(os.environ.get("KV_GIB", "8"))
+MAX_MODEL_LEN = int(os.environ.get("MAX_MODEL_LEN", "8192"))
+MAX_NUM_SEQS = os.environ.get("MAX_NUM_SEQS")
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3-8B: layers x KV heads x head dim x (K, V) x bf16
 N = 4
 PORTS: list[int] = []
 URLS: list[str] = []
@@ -97,21 +108,23 @@ class Sampler(threading.Thread):
             for u in URLS:
                 try:
                     t = get(u + "/metrics", 2)[1]
-                    row.append((metric(t, "vllm:num_requests_running"), metric(t, "vllm:num_requests_waiting")))
+                    row.append((metric(t, "vllm:num_requests_running"), metric(t, "vllm:num_requests_waiting"),
+                                metric(t, "vllm:kv_cache_usage_perc")))
                 except Exception:
-                    row.append((float("nan"), float("nan")))
+                    row.append((float("nan"),) * 3)
             self.rows.append(row)
             self.stop.wait(0.25)
 
     def summary(self):
-        rows = [r for r in self.rows if all(x == x for pair in r for x in pair)]
+        rows = [r for r in self.rows if all(x == x for sample in r for x in sample)]
         if not rows:
             return {}
-        load = [[a + b for a, b in r] for r in rows]
-        return {"samples": len(rows), "waiting_max": max(b for r in rows for _, b in r),
-                "waiting_mean": sum(b for r in rows for _, b in r) / len(rows),
-                "running_mean": sum(a for r in rows for a, _ in r) / len(rows),
-                "imbalance_mean": sum(max(l) - min(l) for l in load) / len(load)}
+        load = [[a + b for a, b, _ in r] for r in rows]
+        return {"samples": len(rows), "waiting_max": max(b for r in rows for _, b, _ in r),
+                "waiting_mean": sum(b for r in rows for _, b, _ in r) / len(rows),
+                "running_mean": sum(a for r in rows for a, _, _ in r) / len(rows),
+                "imbalance_mean": sum(max(l) - min(l) for l in load) / len(load),
+                "kv_usage_mean": sum(k for r in rows for _, _, k in r) / (len(rows) * N)}
 
 
 def engines():
@@ -120,43 +133,58 @@ def engines():
             start(f"engine{i}", [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
                                  "--served-model-name", "llama-8b-shape", "--port", str(p),
                                  "--load-format", "dummy", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(8 << 30), "--gpu-memory-utilization", "0.2", "--max-model-len", "8192",
-                                 "--enable-prompt-tokens-details", "--seed", str(i)],
+                                 "--kv-cache-memory-bytes", str(int(KV_GIB * 2**30)), "--gpu-memory-utilization", "0.2",
+                                 "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details", "--seed", str(i),
+                                 *(["--max-num-seqs", MAX_NUM_SEQS] if MAX_NUM_SEQS else [])],
                   env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     else:
         for i, p in enumerate(PORTS):
             start(f"engine{i}", [PY, "-m", "bench.cli", "emulate", "--port", str(p), "--profile",
-                                 "h100-llama3-8b", "--seed", str(i)])
+                                 "h100-llama3-8b", "--seed", str(i),
+                                 "--kv-tokens", str(int(KV_GIB * 2**30) // KV_BYTES_PER_TOKEN),
+                                 *(["--max-running", MAX_NUM_SEQS] if MAX_NUM_SEQS else [])])
     t = [wait(u + "/health", p, 240, n) for u, (n, p) in zip(URLS, procs[:N])]
     print(f"engines ready after {max(t):.0f} s", flush=True)
     (OUT / "engine0-metrics.txt").write_text(get(URLS[0] + "/metrics")[1])
 
 
-SYSTEMS = {
+ALL_SYSTEMS = {
     "lb": ("predicted-ttft", "sp-pending"),
     "lb blind": ("predicted-ttft", "blind"),
     "lb consistent-hash": ("consistent-hash", "blind"),
+    "sglang-router cache_aware": ("sglang-router", "cache_aware"),
     "direct-rr": None,
 }
+SYSTEMS = dict(ALL_SYSTEMS)
+
+
+def start_router(system, rnd):
+    """The system's router on LB's port, ready; None for clients going to the replicas directly."""
+    if ALL_SYSTEMS[system] is None:
+        return None
+    name, port = f"lb-{rnd}-{system.replace(' ', '_')}", LB.rsplit(":", 1)[1]
+    kind, mode = ALL_SYSTEMS[system]
+    if kind == "sglang-router":
+        proc = start(name, [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", port,
+                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                            "--worker-urls", *URLS, "--policy", mode])
+        wait(LB + "/v1/models", proc, 60, name)
+        return proc
+    proc = start(name, [PY, "-m", "lb.daemon.cli", "serve", "--port", port, "--engine", "vllm", "--policy", kind,
+                        "--pushing", mode, "--admin-token", "t", *[a for u in URLS for a in ("--replica", u)]])
+    wait(LB + "/ready", proc, 30, name)
+    time.sleep(1.0)  # a few probes
+    if rnd == 0 and system == "lb":
+        req = urllib.request.Request(LB + "/admin/replicas", headers={"Authorization": "Bearer t"})
+        (OUT / "lb-admin-replicas.json").write_text(urllib.request.urlopen(req, timeout=5).read().decode())
+    return proc
 
 
 def run_one(system, rnd):
     for u in URLS:
         post(u + "/reset_prefix_cache")
-    lbp, target = None, []
-    if SYSTEMS[system]:
-        policy, pushing = SYSTEMS[system]
-        lbp = start(f"lb-{rnd}-{system.replace(' ', '_')}",
-                    [PY, "-m", "lb.daemon.cli", "serve", "--port", LB.rsplit(":", 1)[1], "--engine", "vllm", "--policy", policy,
-                     "--pushing", pushing, "--admin-token", "t", *[a for u in URLS for a in ("--replica", u)]])
-        wait(LB + "/ready", lbp, 30, "lb")
-        time.sleep(1.0)  # a few probes
-        if rnd == 0 and system == "lb":
-            req = urllib.request.Request(LB + "/admin/replicas", headers={"Authorization": "Bearer t"})
-            (OUT / "lb-admin-replicas.json").write_text(urllib.request.urlopen(req, timeout=5).read().decode())
-        target = ["--target", LB]
-    else:
-        target = [a for u in URLS for a in ("--target", u)]
+    lbp = start_router(system, rnd)
+    target = ["--target", LB] if lbp is not None else [a for u in URLS for a in ("--target", u)]
     before = counters()
     s = Sampler(); s.start()
     rep = OUT / f"run-{rnd}-{system.replace(' ', '_')}.json"
@@ -166,11 +194,14 @@ def run_one(system, rnd):
                        capture_output=True, text=True)
     s.stop.set(); s.join()
     after = counters()
+    lb_page = b""
     if lbp is not None:
-        try:
-            (LOGS / f"lb-metrics-{rnd}-{system.replace(' ', '_')}.txt").write_text(get(LB + "/metrics")[1])
-        except Exception as e:
-            print("lb metrics:", e)
+        if ALL_SYSTEMS[system][0] != "sglang-router":
+            try:
+                lb_page = get(LB + "/metrics")[1].encode()
+                (LOGS / f"lb-metrics-{rnd}-{system.replace(' ', '_')}.txt").write_bytes(lb_page)
+            except Exception as e:
+                print("lb metrics:", e)
         os.killpg(lbp.pid, signal.SIGTERM); lbp.wait(10)
     if r.returncode != 0:
         print(system, "bench failed", r.returncode, r.stderr[-2000:])
@@ -183,12 +214,22 @@ def run_one(system, rnd):
            "e2e_p50_s": d["e2e_s"]["p50"], "client_cached_ratio": d["cached_token_ratio"],
            "engine_hit_ratio": (after["hits"] - before["hits"]) / q if q else None,
            "preemptions": after["preemptions"] - before["preemptions"], **s.summary()}
+    # how long requests waited in lb's own queue (SP-P holds them there instead of in the engines)
+    wait_s = prometheus_values(lb_page, ["lb_queue_wait_seconds_sum", "lb_queue_wait_seconds_count"])
+    if wait_s.get("lb_queue_wait_seconds_count"):
+        row["lb_queue_wait_mean_ms"] = 1e3 * wait_s["lb_queue_wait_seconds_sum"] / wait_s["lb_queue_wait_seconds_count"]
     print(json.dumps(row), flush=True)
     return row
 
 
 def main():
-    global MODE, MODEL, OUT, ROUNDS, DURATION, LOGS, PORTS, URLS, LB
+    global MODE, MODEL, OUT, ROUNDS, DURATION, LOGS, PORTS, URLS, LB, SYSTEMS
+    if os.environ.get("SYSTEMS"):
+        names = [n.strip() for n in os.environ["SYSTEMS"].split(",")]
+        unknown = [n for n in names if n not in ALL_SYSTEMS]
+        if unknown:
+            raise SystemExit(f"SYSTEMS: unknown {unknown}; choose from {list(ALL_SYSTEMS)}")
+        SYSTEMS = {n: ALL_SYSTEMS[n] for n in names}
     MODE, MODEL, OUT = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     DURATION = float(sys.argv[5]) if len(sys.argv) > 5 else 25

@@ -18,16 +18,34 @@ def test_fleet_harness_runs_every_system_from_empty_caches_and_reads_the_engines
                        capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads((tmp_path / "summary.json").read_text())
-    assert [row["system"] for row in rows] == ["lb", "lb blind", "lb consistent-hash", "direct-rr"]
+    assert [row["system"] for row in rows] == ["lb", "lb blind", "lb consistent-hash", "sglang-router cache_aware",
+                                               "direct-rr"]
     for row in rows:
         assert row["ok"] > 0 and row["errors"] == 0, row
-        assert row["samples"] > 0 and row["running_mean"] > 0, row
+        assert row["samples"] > 0 and row["running_mean"] > 0 and 0 < row["kv_usage_mean"] < 1, row
+        # lb's own queue wait is read from its /metrics; the other routers have none
+        assert ("lb_queue_wait_mean_ms" in row) == (row["system"].split()[0] == "lb"), row
         # the engines' counters, read before and after each run, agree with the clients' usage
         assert abs(row["engine_hit_ratio"] - row["client_cached_ratio"]) < 1e-9, row
     replicas = json.loads((tmp_path / "lb-admin-replicas.json").read_text())["replicas"]
     assert len(replicas) == 4 and all(rep["engine"] == "vllm" and rep["kv_free_tokens"] for rep in replicas)
     with tarfile.open(tmp_path / "logs.tgz") as tar:
         assert any(n.endswith("engine0.log") for n in tar.getnames())
+
+
+def test_fleet_harness_runs_the_systems_named_at_the_engines_working_point_named(tmp_path):
+    """A small KV and a batch cap make the engines queue: the emulators get the same KV in tokens
+    (0.25 GiB at 128 KiB a token) and cap, and only the systems named run."""
+    env = {**os.environ, "CLIENTS": "12", "KV_GIB": "0.25", "MAX_NUM_SEQS": "2", "SYSTEMS": "lb blind,direct-rr"}
+    r = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path), "1", "2"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["system"] for row in rows] == ["lb blind", "direct-rr"]
+    assert all(row["running_mean"] <= 4 * 2 and row["waiting_max"] > 0 for row in rows), rows
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
+                         capture_output=True, text=True, timeout=30, env={**env, "SYSTEMS": "lb,nginx"})
+    assert bad.returncode != 0 and "SYSTEMS: unknown ['nginx']" in bad.stderr, bad.stderr
 
 
 def _cached(url: str, prompt: str) -> int:
