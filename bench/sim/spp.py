@@ -8,6 +8,13 @@ the engine-side evidence per replica (waiting-queue length sampled every 100 ms,
 cache tokens, prompt tokens lost from the cache while waiting, preemptions, cache hit).
 
     python -m bench.sim.spp --seeds 5 --duration 120 --engine l4-llama3-8b-sglang --out /tmp/spp
+
+The engines' working point can be moved off the profile's, as `bench/real_vllm/fleet.py` moves a
+real vLLM's (`KV_GIB`, `MAX_NUM_SEQS`): `--kv-tokens`, `--max-running` and `--decode-reserve`
+(vLLM's V1 scheduler reserves no decode KV at admission and preempts when a decode step finds
+no free block), e.g. the real-vLLM run's small KV:
+
+    python -m bench.sim.spp --engine h100-llama3-8b --kv-tokens 4096 --decode-reserve 0
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import numpy as np
 
 from dataclasses import replace
 
+from bench.profiles import PROFILES
 from bench.sim.clients import Programs
 from bench.sim.arena import as_records
 from bench.sim.compare import chosen_systems, make_arena, median_ci
@@ -33,9 +41,13 @@ CLIENTS = 30
 
 
 def run_one(args: tuple) -> dict:
-    """args: (system, seed, duration_s, clients, profile, output_tokens[, warm_share])."""
+    """args: (system, seed, duration_s, clients, profile, output_tokens[, warm_share[, overrides]]);
+    overrides: Profile fields to change (kv_tokens, max_running, decode_reserve)."""
     system, seed, duration_s, clients, profile, output_tokens, *rest = args
     warm_share = rest[0] if rest else WARM_SHARE
+    overrides = rest[1] if len(rest) > 1 else {}
+    if overrides:
+        profile = working_point(profile, overrides)
     workload = get("tot")
     fleet = replace(workload.fleet, profile=profile)
     arena = make_arena("tot", system, seed, fleet=fleet)
@@ -98,13 +110,26 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def working_point(profile: str, overrides: dict) -> str:
+    """Register (in this process) the profile with `overrides` applied, under a name saying so."""
+    name = profile + "".join(f"@{k}={v}" for k, v in sorted(overrides.items()))
+    if name not in PROFILES:
+        PROFILES[name] = replace(PROFILES[profile], name=name, **overrides)
+    return name
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--duration", type=float, default=120.0, help="virtual seconds per run")
     ap.add_argument("--clients", type=int, default=CLIENTS)
-    ap.add_argument("--engine", choices=("l4-llama3-8b", "l4-llama3-8b-sglang"), default="l4-llama3-8b-sglang",
-                    help="engine profile: SGLang's scheduler (the paper's engine) or the fixed-reserve FCFS one")
+    ap.add_argument("--engine", choices=sorted(PROFILES), default="l4-llama3-8b-sglang",
+                    help="engine profile: SGLang's scheduler on an L4 (the paper's engine), the fixed-reserve "
+                         "FCFS one (l4-llama3-8b), an H100's (h100-llama3-8b), ...")
+    ap.add_argument("--kv-tokens", type=int, help="each replica's KV cache in tokens (default: the profile's)")
+    ap.add_argument("--max-running", type=int, help="each replica's batch cap (vLLM --max-num-seqs)")
+    ap.add_argument("--decode-reserve", type=int,
+                    help="KV tokens reserved per request at admission (vLLM V1: 0; default: the profile's)")
     ap.add_argument("--output-tokens", type=int, default=TOT["output_tokens"], help="max_tokens of each thought")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated (default {','.join(SYSTEMS)}; any of `lb-bench sim-compare`'s)")
@@ -119,7 +144,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--systems named none")
     if not 0 <= a.warm_share < 1:
         ap.error("--warm-share must be in [0, 1)")
-    jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share)
+    overrides = {k: v for k, v in (("kv_tokens", a.kv_tokens), ("max_running", a.max_running),
+                                   ("decode_reserve", a.decode_reserve)) if v is not None}
+    if any(v < 0 for v in overrides.values()) or overrides.get("kv_tokens", 1) <= 0:
+        ap.error("--kv-tokens must be positive, --max-running and --decode-reserve not negative")
+    jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share, overrides)
             for seed in range(a.seeds) for s in chosen]
     with ProcessPoolExecutor(a.workers) as pool:
         runs = list(pool.map(run_one, jobs))

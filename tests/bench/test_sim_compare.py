@@ -312,6 +312,24 @@ def test_the_sp_p_reproduction_runs_named_systems_over_the_whole_run_or_its_stea
     assert "| nginx hash-session |" in (tmp_path / "table.md").read_text()
 
 
+def test_the_sp_p_reproduction_moves_the_engines_working_point_as_the_real_vllm_harness_does(tmp_path):
+    """`--kv-tokens` and `--decode-reserve` change the engines (the profile itself untouched): a
+    KV far smaller than the trees want, admitted without a decode reservation as vLLM's V1
+    scheduler admits, makes the engines preempt where the profile's own KV never does."""
+    from bench.profiles import PROFILES
+    from bench.sim import spp
+
+    name = spp.working_point("h100-llama3-8b", {"kv_tokens": 4096, "decode_reserve": 0})
+    assert (PROFILES[name].kv_tokens, PROFILES[name].decode_reserve) == (4096, 0)
+    assert PROFILES["h100-llama3-8b"].kv_tokens > 4096 and PROFILES["h100-llama3-8b"].decode_reserve == 128
+    tight = spp.run_one(("lb blind", 0, 10.0, 30, "h100-llama3-8b", 64, 0.0, {"kv_tokens": 4096, "decode_reserve": 0}))
+    roomy = spp.run_one(("lb blind", 0, 10.0, 30, "h100-llama3-8b", 64, 0.0))
+    assert tight["preemptions"] > 0 and roomy["preemptions"] == 0
+    assert tight["waiting_mean"] > roomy["waiting_mean"]
+    with pytest.raises(SystemExit):
+        spp.main(["--kv-tokens", "0"])
+
+
 def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_path, monkeypatch, capsys):
     """`--systems` runs only those; `--lb-config FILE` adds lb with that daemon config (here
     least-load routing: it must not reuse the default's prefix memory) on the same arrivals."""
