@@ -110,7 +110,10 @@ class FastEngine(Engine):
         self.collapsed_steps += j
         self._busy_until = run.step_start(j)
 
-    def probe(self) -> tuple[int, int, float, int]:
-        """(waiting, running, KV usage, free KV tokens): what a load endpoint reports."""
+    def probe(self) -> tuple[int, int, float, int, int | None]:
+        """(waiting, running, KV usage, free KV tokens, preemptions): what a load endpoint
+        reports; preemptions only from a vLLM-like engine (vLLM's /metrics has the counter,
+        SGLang's /v1/loads no retraction count)."""
         used, total = self._used(), self.profile.kv_tokens
-        return len(self._waiting), len(self._running), used / total, total - used
+        preempted = self.counters.preemptions if self.profile.new_token_ratio is None else None
+        return len(self._waiting), len(self._running), used / total, total - used, preempted

@@ -40,7 +40,7 @@ from lb.core.backlog import forward_cost
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
-from lb.core.pushing import record_push, settle_completion, settle_probe
+from lb.core.pushing import note_preemptions, record_push, settle_completion, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.tiers import TierConfig
@@ -139,7 +139,7 @@ class SimReplica:
         self.draining = False
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf
-        self.snap: tuple[int, int, float, int] = (0, 0, 0.0, profile.kv_tokens)
+        self.snap: tuple[int, int, float, int, int | None] = (0, 0, 0.0, profile.kv_tokens, None)
         self.snap_outstanding = 0  # the LB's outstanding count at the snapshot
         self.requests: dict[str, SimRequest] = {}
         self._token = 0  # generation of the pending wake-up
@@ -205,11 +205,13 @@ class SimReplica:
             log = self.view.push_log
             self.fresh = not log or log[-1][0] <= tick
 
-    def probe_into_view(self, at: float, state: tuple[int, int, float, int], outstanding_at: int) -> None:
+    def probe_into_view(self, at: float, state: tuple[int, int, float, int, int | None], outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
-        KV room (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
+        KV room (SGLang /v1/loads), its preemptions (vLLM /metrics), and the LB's pushes the
+        probe cannot have seen yet."""
         v = self.view
-        v.pending, v.running, v.kv_usage, v.kv_free_tokens = state
+        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted = state
+        note_preemptions(v, preempted)
         v.last_probe_at = at
         # No `answering_at_start`: the simulated LB hears an answer end the instant the engine
         # finishes it, so no request it counts in flight is one the engine has already finished.

@@ -21,6 +21,7 @@ class EngineLoad:
     kv_free_tokens: int | None = None  # KV tokens not held by requests (SGLang /v1/loads)
     kv_total_tokens: int | None = None  # the whole KV cache in tokens (summed over dp ranks / engines)
     max_running: int | None = None  # the engine's batch cap
+    preemptions: float | None = None  # requests it preempted since it started (vLLM's counter)
 
 
 def _dp_ranks(value: object) -> list[dict]:
@@ -167,14 +168,16 @@ def _vllm_kv(text: bytes) -> tuple[float | None, int | None, int | None]:
 def parse_vllm_metrics(body: bytes) -> EngineLoad:
     """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
     (`_vllm_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
-    vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running"))
+    vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                                    "vllm:num_preemptions_total"))
     if "vllm:num_requests_waiting" not in vals:
         raise ValueError("/metrics has no vllm:num_requests_waiting")
     kv_usage, kv_free, kv_total = _vllm_kv(body)
     running = vals.get("vllm:num_requests_running")
     return EngineLoad(pending=int(vals["vllm:num_requests_waiting"]),
                 running=None if running is None else int(running),
-                kv_usage=kv_usage, kv_free_tokens=kv_free, kv_total_tokens=kv_total)
+                kv_usage=kv_usage, kv_free_tokens=kv_free, kv_total_tokens=kv_total,
+                preemptions=vals.get("vllm:num_preemptions_total"))
 
 
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)

@@ -63,6 +63,10 @@ class ReplicaView:
     # with that many running: a cap once a later probe shows the same after an answer ended
     cap_seen: tuple[int, int] | None = None
     completions: int = 0  # answers that ended on it (lb.core.pushing.settle_completion)
+    # the engine's preemption counter at the last probe that had one, and whether it has ever
+    # grown: an engine that preempts admits past its free KV (lb.core.pushing.note_preemptions)
+    preemptions_seen: float | None = None
+    overcommits: bool = False
     probe_s: float = 0.0  # how long its last probe took (what one costs the engine; lb.core.scheduler.wants_probe)
     pushed_tokens_since_probe: int = 0
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)

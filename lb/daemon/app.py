@@ -275,6 +275,8 @@ def build_app(cfg: Config) -> web.Application:
                                        else "learned" if v.learned_max_running is not None else None),
                 # until a cap is known: the most seen running with none waiting (SP-P's slow start)
                 "proven_running": v.proven_running,
+                # its preemption counter has grown: it admits past its free KV (SP-P's floor)
+                "overcommits": v.overcommits,
                 "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,
                 "source": rep.source or "static"}
 

@@ -24,7 +24,7 @@ import orjson
 from lb.core.engines import (LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
                              engine_from_answers)
 from lb.core.loadparse import EngineLoad
-from lb.core.pushing import early_probe_delay, settle_probe
+from lb.core.pushing import early_probe_delay, note_preemptions, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.tls import upstream_ssl
@@ -148,6 +148,7 @@ class Prober:
                     view.kv_usage = load.kv_usage
                 view.kv_free_tokens, view.max_running = load.kv_free_tokens, load.max_running
                 view.kv_total_tokens = load.kv_total_tokens
+                note_preemptions(view, load.preemptions)
             else:
                 view.kv_free_tokens = view.max_running = view.kv_total_tokens = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)

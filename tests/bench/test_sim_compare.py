@@ -330,6 +330,32 @@ def test_the_sp_p_reproduction_moves_the_engines_working_point_as_the_real_vllm_
         spp.main(["--kv-tokens", "0"])
 
 
+def test_the_simulated_lb_learns_which_engines_preempt_as_the_daemon_does_from_vllms_counter():
+    """The simulated probe carries a vLLM-like engine's preemption counter (an SGLang-like one
+    reports none, as its /v1/loads does not), so SP-P's floor for engines that admit past their
+    free KV (lb.core.pushing.OVERCOMMIT_UNSEEN) runs in the simulator on the daemon's code."""
+    from dataclasses import replace
+
+    from bench.sim import spp
+    from bench.sim.clients import Programs
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import TOT, get
+    from bench.workloads import make_workload
+
+    def views(profile: str, run_s: float = 10.0) -> list:
+        fleet = replace(get("tot").fleet, profile=profile)
+        arena = make_arena("tot", "lb", 0, fleet=fleet)
+        params = {k: v for k, v in TOT.items() if k != "workload"}
+        Programs(arena, make_workload("tot", seed=0, **params), stop_at=run_s).clients({"local": 30})
+        arena.loop.run(run_s)
+        return [(rep.view, rep.engine.counters.preemptions) for rep in arena.replicas]
+
+    tight = views(spp.working_point("h100-llama3-8b", {"kv_tokens": 4096, "decode_reserve": 0}))
+    assert all(v.overcommits == (preempted > 0) for v, preempted in tight) and any(v.overcommits for v, _ in tight)
+    sglang = views("tiny-sglang", 20.0)  # SGLang's retractions, which /v1/loads does not count
+    assert any(preempted for _, preempted in sglang) and not any(v.overcommits for v, _ in sglang)
+
+
 def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_path, monkeypatch, capsys):
     """`--systems` runs only those; `--lb-config FILE` adds lb with that daemon config (here
     least-load routing: it must not reuse the default's prefix memory) on the same arrivals."""

@@ -1,6 +1,8 @@
 """SP-P headroom derived from the last probe's KV room (lb.core.pushing.has_headroom)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from lb.core.pushing import has_headroom, is_available, push_tokens
 from lb.core.types import ReplicaView, RequestFacts
 
@@ -212,3 +214,48 @@ def test_answers_the_engine_finished_before_the_lb_heard_their_end_are_not_on_th
     # a caller that cannot tell (no first tokens known): every push the engine does not hold
     settle_probe(v, 3.2, 10, load_pending=0, load_running=2, early_reprobe_s=0.002)
     assert v.pushed_since_probe == 8
+
+
+def test_an_engine_seen_to_preempt_takes_a_floor_of_unseen_pushes_whatever_its_free_kv():
+    """vLLM admits by prompt blocks and preempts when decode runs out, so under a full KV the
+    probed free KV undersells what it takes: once its preemption counter grows, the unseen
+    pushes may reach OVERCOMMIT_UNSEEN; the waiting count still closes the gate."""
+    from lb.core.pushing import OVERCOMMIT_UNSEEN, note_preemptions
+
+    v = view(kv_free_tokens=300, kv_total_tokens=4096)
+
+    def pushes() -> int:
+        n = 0
+        while has_headroom(v) and n < 100:
+            v.pushed_since_probe += 1
+            v.pushed_tokens_since_probe += 488
+            n += 1
+        v.pushed_since_probe = v.pushed_tokens_since_probe = 0
+        return n
+
+    assert pushes() == 1  # the first after a probe, then the free KV is spent
+    note_preemptions(v, 12.0)  # the first reading: nothing to compare with yet
+    assert not v.overcommits and pushes() == 1
+    note_preemptions(v, None)  # an engine that does not say changes nothing
+    note_preemptions(v, 12.0)
+    assert not v.overcommits
+    note_preemptions(v, 15.0)
+    assert v.overcommits and pushes() == OVERCOMMIT_UNSEEN
+    v.kv_free_tokens, v.max_running = 100_000, 256  # room beyond the floor still counts
+    assert pushes() > OVERCOMMIT_UNSEEN
+    v.kv_free_tokens, v.pending = 300, 1
+    assert pushes() == 0
+    note_preemptions(v, 2.0)  # a restarted engine: counted from its new start, still one that preempts
+    assert v.preemptions_seen == 2.0 and v.overcommits
+
+
+def test_vllm_metrics_carry_its_preemption_counter():
+    from lb.core.loadparse import parse_vllm_metrics
+
+    page = (b'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            b'vllm:num_requests_running{engine="0",model_name="m"} 9.0\n'
+            b'vllm:num_preemptions_total{engine="0",model_name="m"} 73.0\n')
+    assert parse_vllm_metrics(page).preemptions == 73.0
+    assert parse_vllm_metrics(page.split(b"vllm:num_preemptions")[0]).preemptions is None
+    real = (Path(__file__).parents[1] / "data" / "vllm-0.25.1-h200-metrics-idle.txt").read_bytes()
+    assert parse_vllm_metrics(real).preemptions == 0.0  # a real GPU vLLM's page names it so

@@ -187,3 +187,38 @@ def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_fol
     print(f"cap learned from long prompts {low}, after eight bursts of short ones {grown}")
     assert low is not None and low < 32, low  # the budget, not a batch of 64, held it
     assert grown >= min(3 * low, 48), (low, grown)  # one request a round: under 2x
+
+
+def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv():
+    """A vLLM face admitting without a decode reservation (vLLM V1's rule) preempts once long
+    answers outgrow its KV; lb reads the counter on /metrics and marks the replica, which
+    gives SP-P its floor of unseen pushes (lb.core.pushing.OVERCOMMIT_UNSEEN)."""
+    emu, url = start_emulator("--speed", "1", "--decode-reserve", "0")
+    d = start_lb("--replica", url, "--engine", "vllm", "--pushing", "sp-pending", "--policy", "least-load")
+    admin = {"Authorization": f"Bearer {d.token}"}
+
+    def replica() -> dict:
+        return d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0]
+
+    async def long_answers() -> list[int]:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> int:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"{i} {PROMPT}"}],
+                        "max_tokens": 400, "ignore_eos": True}  # 8 of these outgrow tiny's 2,048 KV tokens
+                async with s.post(d.url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 120)
+
+    try:
+        poll(lambda: replica().get("kv_free_tokens"), what="the replica probed")
+        assert replica()["overcommits"] is False
+        statuses = asyncio.run(long_answers())
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            preempted = [line for line in r.read().decode().splitlines() if line.startswith("vllm:num_preemptions_total")]
+        assert statuses == [200] * 12
+        assert float(preempted[0].split()[-1]) > 0, preempted  # the engine did preempt
+        poll(lambda: replica()["overcommits"] or None, what="lb marks the replica")
+    finally:
+        d.proc.stop()
+        emu.stop()
