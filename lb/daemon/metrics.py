@@ -132,6 +132,9 @@ class _ReplicaCollector:
             "healthy": GaugeMetricFamily("lb_replica_healthy", "1 if probes succeed", labels=["replica"]),
             "available": GaugeMetricFamily("lb_replica_available", "1 if the pushing mode would push to it now", labels=["replica"]),
             "draining": GaugeMetricFamily("lb_replica_draining", "1 if removed and finishing in-flight requests", labels=["replica"]),
+            "overcommits": GaugeMetricFamily("lb_replica_overcommits", "1 once its engine was seen to preempt: it admits "
+                                             "past its free KV, and selective pushing allows it a floor of unseen pushes",
+                                             labels=["replica"]),
             "engine": GaugeMetricFamily("lb_replica_engine", "1 for the engine the replica runs, configured or detected "
                                         "(auto until its first answer)", labels=["replica", "engine"]),
         }
@@ -143,5 +146,6 @@ class _ReplicaCollector:
             fams["healthy"].add_metric([v.id], 1.0 if v.healthy else 0.0)
             fams["available"].add_metric([v.id], 1.0 if self.available(v) else 0.0)
             fams["draining"].add_metric([v.id], 1.0 if v.draining else 0.0)
+            fams["overcommits"].add_metric([v.id], 1.0 if v.overcommits else 0.0)
             fams["engine"].add_metric([v.id, v.engine], 1.0)
         return list(fams.values())
