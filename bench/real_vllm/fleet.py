@@ -15,9 +15,10 @@ interleaved. The environment picks the engines' working point and the systems:
 
 `KV_GIB` is each replica's KV cache (GiB; the emulators get as many tokens at this shape's
 128 KiB a token), `MAX_NUM_SEQS` vLLM's batch cap (the emulators' `--max-running`); a small KV
-or cap is what makes engines queue, the only place selective pushing can differ from blind. Every run starts from empty prefix caches (vLLM dev mode's
-`POST /reset_prefix_cache`), reads the engines' own counters before and after (prefix-cache hits,
-preemptions) and samples their running/waiting every 0.25 s. Rows go to OUT/summary.json as
+or cap is what makes engines queue, the only place selective pushing can differ from blind.
+
+Every run starts from empty prefix caches (vLLM dev mode's `POST /reset_prefix_cache`), reads
+the engines' own counters before and after (prefix-cache hits, preemptions) and samples their running/waiting every 0.25 s. Rows go to OUT/summary.json as
 they finish; logs to OUT/logs.tgz. Not part of the test suite's GPU-free CI beyond `emu` mode.
 """
 import json
@@ -35,10 +36,26 @@ from lb.core.loadparse import prometheus_values
 
 MODE = MODEL = OUT = LOGS = None
 ROUNDS, DURATION = 2, 25.0
-CLIENTS = int(os.environ.get("CLIENTS", "30"))
-KV_GIB = float(os.environ.get("KV_GIB", "8"))
-MAX_MODEL_LEN = int(os.environ.get("MAX_MODEL_LEN", "8192"))
-MAX_NUM_SEQS = os.environ.get("MAX_NUM_SEQS")
+
+
+def _env(name: str, kind, default):
+    """An environment setting, or exit naming it and what it must be."""
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        raise SystemExit(f"{name}: must be a positive {kind.__name__}, got {raw!r}")
+    return value
+
+
+CLIENTS = _env("CLIENTS", int, 30)
+KV_GIB = _env("KV_GIB", float, 8.0)
+MAX_MODEL_LEN = _env("MAX_MODEL_LEN", int, 8192)
+MAX_NUM_SEQS = _env("MAX_NUM_SEQS", int, None)  # None: vLLM's own default
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3-8B: layers x KV heads x head dim x (K, V) x bf16
 N = 4
 PORTS: list[int] = []
@@ -135,14 +152,14 @@ def engines():
                                  "--load-format", "dummy", "--enforce-eager",
                                  "--kv-cache-memory-bytes", str(int(KV_GIB * 2**30)), "--gpu-memory-utilization", "0.2",
                                  "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details", "--seed", str(i),
-                                 *(["--max-num-seqs", MAX_NUM_SEQS] if MAX_NUM_SEQS else [])],
+                                 *(["--max-num-seqs", str(MAX_NUM_SEQS)] if MAX_NUM_SEQS else [])],
                   env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     else:
         for i, p in enumerate(PORTS):
             start(f"engine{i}", [PY, "-m", "bench.cli", "emulate", "--port", str(p), "--profile",
                                  "h100-llama3-8b", "--seed", str(i),
                                  "--kv-tokens", str(int(KV_GIB * 2**30) // KV_BYTES_PER_TOKEN),
-                                 *(["--max-running", MAX_NUM_SEQS] if MAX_NUM_SEQS else [])])
+                                 *(["--max-running", str(MAX_NUM_SEQS)] if MAX_NUM_SEQS else [])])
     t = [wait(u + "/health", p, 240, n) for u, (n, p) in zip(URLS, procs[:N])]
     print(f"engines ready after {max(t):.0f} s", flush=True)
     (OUT / "engine0-metrics.txt").write_text(get(URLS[0] + "/metrics")[1])

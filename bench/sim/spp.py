@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--warm-share must be in [0, 1)")
     overrides = {k: v for k, v in (("kv_tokens", a.kv_tokens), ("max_running", a.max_running),
                                    ("decode_reserve", a.decode_reserve)) if v is not None}
-    if any(v < 0 for v in overrides.values()) or overrides.get("kv_tokens", 1) <= 0:
-        ap.error("--kv-tokens must be positive, --max-running and --decode-reserve not negative")
+    if overrides.get("kv_tokens", 1) <= 0 or overrides.get("max_running", 1) <= 0 or overrides.get("decode_reserve", 0) < 0:
+        ap.error("--kv-tokens and --max-running must be positive, --decode-reserve not negative")
     jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share, overrides)
             for seed in range(a.seeds) for s in chosen]
     with ProcessPoolExecutor(a.workers) as pool:

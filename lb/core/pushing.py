@@ -61,8 +61,9 @@ LEARNED_CAP_STEP = 8
 # prefixes; with this floor 0.90x (one round). For such an engine the unseen pushes may reach
 # this many whatever the free KV says (the waiting count still closes the gate). Simulated (L4
 # engines, 4,096 KV tokens, no decode reservation, 30 ToT clients, 3 seeds): 1 (before) 14.91
-# req/s, p90 6.17 s; 4: 15.97, 5.68; 8: 17.01, 4.57; blind 17.06, 5.75. Its cost: on a replica
-# that preempts with a 2k-token prompt in every push (shared-prefix at 1.3x) 7 % of throughput.
+# req/s, p90 6.17 s; 4: 15.97, 5.68; 8: 17.01, 4.57; blind 17.06, 5.75. Its cost: where every push
+# carries a 2k-token prompt to a replica that preempts (the shared-prefix replay), a saturated
+# fleet completes 6 % less.
 OVERCOMMIT_UNSEEN = 8
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).

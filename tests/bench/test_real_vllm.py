@@ -46,6 +46,9 @@ def test_fleet_harness_runs_the_systems_named_at_the_engines_working_point_named
     bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
                          capture_output=True, text=True, timeout=30, env={**env, "SYSTEMS": "lb,nginx"})
     assert bad.returncode != 0 and "SYSTEMS: unknown ['nginx']" in bad.stderr, bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
+                         capture_output=True, text=True, timeout=30, env={**env, "MAX_NUM_SEQS": "eight"})
+    assert bad.returncode != 0 and "MAX_NUM_SEQS: must be a positive int, got 'eight'" in bad.stderr, bad.stderr
 
 
 def _cached(url: str, prompt: str) -> int:

@@ -326,8 +326,9 @@ def test_the_sp_p_reproduction_moves_the_engines_working_point_as_the_real_vllm_
     roomy = spp.run_one(("lb blind", 0, 10.0, 30, "h100-llama3-8b", 64, 0.0))
     assert tight["preemptions"] > 0 and roomy["preemptions"] == 0
     assert tight["waiting_mean"] > roomy["waiting_mean"]
-    with pytest.raises(SystemExit):
-        spp.main(["--kv-tokens", "0"])
+    for bad in (["--kv-tokens", "0"], ["--max-running", "0"], ["--decode-reserve", "-1"]):
+        with pytest.raises(SystemExit):
+            spp.main(bad)
 
 
 def test_the_simulated_lb_learns_which_engines_preempt_as_the_daemon_does_from_vllms_counter():
