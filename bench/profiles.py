@@ -45,6 +45,12 @@ class Profile:
     # `max_running` and the KV at once, their prefill chunked over the next steps.
     admit_within_budget: bool = False
     waiting_order: str = "fcfs"  # "fcfs", or "lpm": SGLang's longest-prefix-match order
+    # How long reading the engine's load endpoint takes (a probe's latency, and what it costs
+    # the engine's API server): vLLM renders /metrics in ~8 ms on an H200's host (6-17 ms on
+    # vLLM 0.32's CPU server). 0: probes are instant and free, as the suite has always modelled
+    # them; then the simulated LB re-probes after every push and answer, which a daemon facing
+    # a costly endpoint does not (`lb.core.scheduler.wants_probe`, `probes.max_probe_share`).
+    probe_s: float = 0.0
     output_median: int = 134  # without ignore_eos: lognormal output length (Azure conv median)
     output_sigma: float = 0.9
     source: str = ""

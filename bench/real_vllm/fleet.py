@@ -56,6 +56,18 @@ CLIENTS = _env("CLIENTS", int, 30)
 KV_GIB = _env("KV_GIB", float, 8.0)
 MAX_MODEL_LEN = _env("MAX_MODEL_LEN", int, 8192)
 MAX_NUM_SEQS = _env("MAX_NUM_SEQS", int, None)  # None: vLLM's own default
+EMU_PROFILE = os.environ.get("EMU_PROFILE") or "h100-llama3-8b"  # `emu` mode's engine model (bench/profiles.py)
+LB_CONFIG = os.environ.get("LB_CONFIG") or None  # a TOML file every `lb` system starts with (e.g. [probes])
+# another checkout of lb (e.g. `git worktree add /tmp/before HEAD~1`): the system "lb before" runs
+# lb's default from there, interleaved with this checkout's on the same engines (an A/B of a change)
+LB_BEFORE = os.environ.get("LB_BEFORE") or None
+WORKLOAD = os.environ.get("WORKLOAD") or "tot"  # any of `lb-bench run --workload`'s
+# its parameters, `lb-bench run --param`'s KEY=VALUE, space-separated (e.g. total_rps=4.17)
+WORKLOAD_PARAMS = (os.environ.get("WORKLOAD_PARAMS") or "").split()
+# `emu` mode: the emulators run this many times faster than the hardware they model, and so do an
+# open-loop replay and every `lb` time constant (bench.systems.engine_time_config), as the
+# `compare-*` scenarios run them
+EMU_SPEED = _env("EMU_SPEED", float, 1.0)
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3-8B: layers x KV heads x head dim x (K, V) x bf16
 N = 4
 PORTS: list[int] = []
@@ -65,12 +77,21 @@ PY = sys.executable
 procs = []
 
 
-def start(name, args, env=None):
+def start(name, args, env=None, cwd=None):
     f = open(LOGS / f"{name}.log", "w")
     p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                         start_new_session=True)
+                         start_new_session=True, cwd=cwd)
     procs.append((name, p))
     return p
+
+
+def cpu_s(pid):
+    """CPU seconds (user + system) a process has used so far; None once it is gone."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def get(url, timeout=5.0):
@@ -156,8 +177,9 @@ def engines():
                   env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     else:
         for i, p in enumerate(PORTS):
+            # admitting as vLLM's V1 scheduler does: by prompt blocks, no decode reservation
             start(f"engine{i}", [PY, "-m", "bench.cli", "emulate", "--port", str(p), "--profile",
-                                 "h100-llama3-8b", "--seed", str(i),
+                                 EMU_PROFILE, "--seed", str(i), "--decode-reserve", "0", "--speed", str(EMU_SPEED),
                                  "--kv-tokens", str(int(KV_GIB * 2**30) // KV_BYTES_PER_TOKEN),
                                  *(["--max-running", str(MAX_NUM_SEQS)] if MAX_NUM_SEQS else [])])
     t = [wait(u + "/health", p, 240, n) for u, (n, p) in zip(URLS, procs[:N])]
@@ -167,12 +189,13 @@ def engines():
 
 ALL_SYSTEMS = {
     "lb": ("predicted-ttft", "sp-pending"),
+    "lb before": ("predicted-ttft", "sp-pending"),
     "lb blind": ("predicted-ttft", "blind"),
     "lb consistent-hash": ("consistent-hash", "blind"),
     "sglang-router cache_aware": ("sglang-router", "cache_aware"),
     "direct-rr": None,
 }
-SYSTEMS = dict(ALL_SYSTEMS)
+SYSTEMS = {n: v for n, v in ALL_SYSTEMS.items() if n != "lb before" or LB_BEFORE}
 
 
 def start_router(system, rnd):
@@ -187,8 +210,10 @@ def start_router(system, rnd):
                             "--worker-urls", *URLS, "--policy", mode])
         wait(LB + "/v1/models", proc, 60, name)
         return proc
+    tree = {"PYTHONPATH": LB_BEFORE} if system == "lb before" else None
     proc = start(name, [PY, "-m", "lb.daemon.cli", "serve", "--port", port, "--engine", "vllm", "--policy", kind,
-                        "--pushing", mode, "--admin-token", "t", *[a for u in URLS for a in ("--replica", u)]])
+                        "--pushing", mode, "--admin-token", "t", *[a for u in URLS for a in ("--replica", u)],
+                        *(["--config", str(pathlib.Path(LB_CONFIG).resolve())] if LB_CONFIG else [])], env=tree, cwd=LB_BEFORE if tree else None)
     wait(LB + "/ready", proc, 30, name)
     time.sleep(1.0)  # a few probes
     if rnd == 0 and system == "lb":
@@ -203,14 +228,18 @@ def run_one(system, rnd):
     lbp = start_router(system, rnd)
     target = ["--target", LB] if lbp is not None else [a for u in URLS for a in ("--target", u)]
     before = counters()
+    cpu_before = cpu_s(lbp.pid) if lbp is not None else None
     s = Sampler(); s.start()
     rep = OUT / f"run-{rnd}-{system.replace(' ', '_')}.json"
     t0 = time.time()
-    r = subprocess.run([PY, "-m", "bench.cli", "run", *target, "--workload", "tot", "--clients", str(CLIENTS),
-                        "--duration", str(DURATION), "--seed", "0", "--out", str(rep)],
+    r = subprocess.run([PY, "-m", "bench.cli", "run", *target, "--workload", WORKLOAD, "--clients", str(CLIENTS),
+                        "--duration", str(DURATION), "--seed", "0", "--out", str(rep),
+                        *[a for kv in WORKLOAD_PARAMS for a in ("--param", kv)],
+                        *(["--time-scale", str(EMU_SPEED)] if EMU_SPEED != 1 else [])],
                        capture_output=True, text=True)
     s.stop.set(); s.join()
     after = counters()
+    cpu_after = cpu_s(lbp.pid) if lbp is not None else None
     lb_page = b""
     if lbp is not None:
         if ALL_SYSTEMS[system][0] != "sglang-router":
@@ -231,26 +260,49 @@ def run_one(system, rnd):
            "e2e_p50_s": d["e2e_s"]["p50"], "client_cached_ratio": d["cached_token_ratio"],
            "engine_hit_ratio": (after["hits"] - before["hits"]) / q if q else None,
            "preemptions": after["preemptions"] - before["preemptions"], **s.summary()}
+    if cpu_before is not None and cpu_after is not None:  # the router's own CPU over the run
+        row["router_cpu_share"] = (cpu_after - cpu_before) / row["wall_s"]
     # how long requests waited in lb's own queue (SP-P holds them there instead of in the engines)
-    wait_s = prometheus_values(lb_page, ["lb_queue_wait_seconds_sum", "lb_queue_wait_seconds_count"])
-    if wait_s.get("lb_queue_wait_seconds_count"):
-        row["lb_queue_wait_mean_ms"] = 1e3 * wait_s["lb_queue_wait_seconds_sum"] / wait_s["lb_queue_wait_seconds_count"]
+    # and what one probe of an engine took (its load endpoint's latency: what spaces early re-probes)
+    for key, metric in (("lb_queue_wait_mean_ms", "lb_queue_wait_seconds"), ("lb_probe_mean_ms", "lb_probe_latency_seconds")):
+        got = prometheus_values(lb_page, [metric + "_sum", metric + "_count"])
+        if got.get(metric + "_count"):
+            row[key] = 1e3 * got[metric + "_sum"] / got[metric + "_count"]
     print(json.dumps(row), flush=True)
     return row
 
 
+def engine_time_toml(out: pathlib.Path) -> str:
+    """A config file with lb's engine-time constants divided by EMU_SPEED; its path."""
+    from bench.cluster import lb_toml
+    from bench.systems import engine_time_config
+    if LB_CONFIG:
+        raise SystemExit("EMU_SPEED with LB_CONFIG: put the scaled constants (bench.systems.engine_time_config) "
+                         "in LB_CONFIG's file and leave EMU_SPEED at 1")
+    path = out / "lb-engine-time.toml"
+    path.write_text(lb_toml(engine_time_config(EMU_SPEED), [], []))
+    return str(path.resolve())
+
+
 def main():
-    global MODE, MODEL, OUT, ROUNDS, DURATION, LOGS, PORTS, URLS, LB, SYSTEMS
+    global MODE, MODEL, OUT, ROUNDS, DURATION, LOGS, PORTS, URLS, LB, SYSTEMS, LB_CONFIG
     if os.environ.get("SYSTEMS"):
         names = [n.strip() for n in os.environ["SYSTEMS"].split(",")]
         unknown = [n for n in names if n not in ALL_SYSTEMS]
         if unknown:
             raise SystemExit(f"SYSTEMS: unknown {unknown}; choose from {list(ALL_SYSTEMS)}")
+        if "lb before" in names and not LB_BEFORE:
+            raise SystemExit("SYSTEMS names 'lb before': set LB_BEFORE to the other checkout's directory")
         SYSTEMS = {n: ALL_SYSTEMS[n] for n in names}
     MODE, MODEL, OUT = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     DURATION = float(sys.argv[5]) if len(sys.argv) > 5 else 25
     LOGS = OUT / "logs"
+    if EMU_SPEED != 1:
+        if MODE != "emu":
+            raise SystemExit("EMU_SPEED: only `emu` mode's engines can run faster than their hardware")
+        OUT.mkdir(parents=True, exist_ok=True)
+        LB_CONFIG = engine_time_toml(OUT)
     # vLLM: the ports the GPU runs used; emulators (tests): any free ones
     PORTS = [8001 + i for i in range(N)] if MODE == "vllm" else [free_port() for _ in range(N)]
     URLS = [f"http://127.0.0.1:{p}" for p in PORTS]

@@ -116,6 +116,7 @@ class PeerFront:
     class _Cfg:
         probe_interval_s = 0.1  # the grid a replica keeps its state on (`tick_at`)
         early_reprobe_s = 0.005
+        max_probe_share = 1.0  # nothing here decides on the probes (`wants_probe` below)
 
     def __init__(self, region: str, loop: EventLoop, policy: PeerPolicy, fleet: FleetSpec,
                  on_done: Callable[[SimRequest, int, int, int], None]):

@@ -16,6 +16,11 @@ as fresh as the daemon's:
   that changed since their last probe (`SimLB.refresh`; tests/bench/test_sim.py compares
   every view a pass reads with probing the whole fleet at every tick);
 - after a push the replica is re-probed `early_reprobe_s` later, as the daemon does;
+- a probe costs nothing unless the engine's profile says it does (`Profile.probe_s`, e.g. vLLM's
+  /metrics page); then, as in the daemon, an early re-probe waits until probing takes at most
+  `max_probe_share` of the replica's time, is asked for after a push or an answer only when a
+  decision waits on it (`Scheduler.wants_probe`), reads the engine as it starts and lands
+  `probe_s` later. The grid probes stay instant (their 100 ms staleness dwarfs a probe's few ms);
 - a dispatch pass runs on arrival, completion, early re-probe, and on each grid tick while
   requests wait (the daemon's "probe result" wake-up).
 
@@ -40,7 +45,7 @@ from lb.core.backlog import forward_cost
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
-from lb.core.pushing import note_preemptions, record_push, settle_completion, settle_probe
+from lb.core.pushing import early_probe_delay, note_preemptions, record_push, settle_completion, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.tiers import TierConfig
@@ -86,6 +91,7 @@ class LBConfig:
     queue: str = _DAEMON.queue.order
     probe_interval_s: float = _DAEMON.probes.interval_s
     early_reprobe_s: float = _DAEMON.probes.early_reprobe_s
+    max_probe_share: float = _DAEMON.probes.max_probe_share  # early re-probes of a costly endpoint (profile.probe_s)
     max_outstanding: int = _DAEMON.pushing.max_outstanding
     push_credit: int = _DAEMON.pushing.push_credit
     max_unseen: int = _DAEMON.pushing.max_unseen
@@ -113,7 +119,7 @@ class LBConfig:
         return cls(**{**dict(
             policy=cfg.routing.policy, policy_options=dict(cfg.routing.options), pushing=cfg.pushing.mode,
             queue=cfg.queue.order, probe_interval_s=cfg.probes.interval_s, early_reprobe_s=cfg.probes.early_reprobe_s,
-            max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
+            max_probe_share=cfg.probes.max_probe_share, max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
             max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
             peer_forward=cfg.peering.forward, peer_forward_margin_s=cfg.peering.forward_margin_s,
             peer_lighter_share=cfg.peering.lighter_share, affinity=cfg.affinity), **overrides})
@@ -145,6 +151,8 @@ class SimReplica:
         self._token = 0  # generation of the pending wake-up
         self._run: DecodeRun | None = None
         self._early_probe_due = False
+        self.probe_s = profile.probe_s
+        self._probe_end = -math.inf  # when the last costly early probe landed (or will)
         self.busy_s = 0.0
         # The view is *fresh* when a grid probe now would write exactly what it holds (the
         # engine and the LB's counts are unchanged since a live probe and no push is newer
@@ -213,6 +221,7 @@ class SimReplica:
         v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted = state
         note_preemptions(v, preempted)
         v.last_probe_at = at
+        v.probe_s = self.probe_s
         # No `answering_at_start`: the simulated LB hears an answer end the instant the engine
         # finishes it, so no request it counts in flight is one the engine has already finished.
         settle_probe(v, at, outstanding_at, v.pending, v.running, self.lb.cfg.early_reprobe_s)
@@ -227,13 +236,43 @@ class SimReplica:
             self.probe_now()
             self.lb.dispatch()
 
+    def ask_probe(self) -> None:
+        """A push or an answer wants the next probe soon (the daemon's `reprobe` event)."""
+        if self._early_probe_due:
+            return
+        self._early_probe_due = True
+        if not self.probe_s:
+            self.loop.after(self.lb.cfg.early_reprobe_s, self.early_probe)
+            return
+        now, cfg = self.loop.now, self.lb.cfg
+        # the last probe's end: an early one's, or the grid tick's probe (in flight if after now)
+        ended = max(self._probe_end, self.lb.tick_at(now) + self.probe_s)
+        start = max(now, ended) + early_probe_delay(cfg.early_reprobe_s, self.probe_s, max(0.0, now - ended),
+                                                    cfg.max_probe_share)
+        self.loop.at(start, self._costly_probe)
+
+    def _costly_probe(self) -> None:
+        """An early probe of an endpoint that takes `probe_s`: what the engine reports as it
+        starts, written into the view when it lands (pushes meanwhile are unseen by it)."""
+        self._early_probe_due = False  # as the daemon clears `reprobe` when a probe starts
+        if self.stopped_at is not None:
+            return
+        now = self.loop.now
+        self._probe_end = now + self.probe_s
+        self.loop.at(self._probe_end, self._probe_landed, now, self.engine.probe(), self.view.outstanding)
+
+    def _probe_landed(self, started: float, state: tuple, outstanding_at: int) -> None:
+        if self.stopped_at is None and self.view.last_probe_at < started:
+            self.probe_into_view(started, state, outstanding_at)
+            self.mark_stale()  # it shows the engine as of `started`: the next grid probe looks again
+            self.lb.dispatch()
+
     # -- requests ----------------------------------------------------------------------
     def push(self, req: SimRequest) -> None:
         """The scheduler placed `req` here (and counted the push on the view): run it."""
         now = self.loop.now
-        if not self._early_probe_due and self.lb.wants_probe(self.view):
-            self._early_probe_due = True
-            self.loop.after(self.lb.cfg.early_reprobe_s, self.early_probe)
+        if self.lb.wants_probe(self.view):
+            self.ask_probe()
         self.requests[req.id] = req
         req.pushed_at = now
         req.served_by = self.id
@@ -306,10 +345,13 @@ class SimReplica:
                 self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,
                                now - req.pushed_at, f.output_tokens, now)
             self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
-        # the daemon's rule; a simulated probe costs nothing (view.probe_s 0), so it always holds
-        # here and never reads a view the lazy probing left behind
+        # the daemon's rule; a probe that costs nothing (view.probe_s 0) always holds here and
+        # is taken at once (it never reads a view the lazy probing left behind)
         if self.lb.wants_probe(self.view):
-            self.probe_now()
+            if self.probe_s:
+                self.ask_probe()
+            else:
+                self.probe_now()
         self._maybe_stop()
         self.lb.dispatch()
 

@@ -12,9 +12,10 @@ cache tokens, prompt tokens lost from the cache while waiting, preemptions, cach
 The engines' working point can be moved off the profile's, as `bench/real_vllm/fleet.py` moves a
 real vLLM's (`KV_GIB`, `MAX_NUM_SEQS`): `--kv-tokens`, `--max-running` and `--decode-reserve`
 (vLLM's V1 scheduler reserves no decode KV at admission and preempts when a decode step finds
-no free block), e.g. the real-vLLM run's small KV:
+no free block), and `--probe-ms` charges each probe what reading the engine's load endpoint
+takes (the suite's probes are free), e.g. the real-vLLM run's small KV:
 
-    python -m bench.sim.spp --engine h100-llama3-8b --kv-tokens 4096 --decode-reserve 0
+    python -m bench.sim.spp --engine h100-llama3-8b --kv-tokens 4096 --decode-reserve 0 --probe-ms 8
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ CLIENTS = 30
 
 def run_one(args: tuple) -> dict:
     """args: (system, seed, duration_s, clients, profile, output_tokens[, warm_share[, overrides]]);
-    overrides: Profile fields to change (kv_tokens, max_running, decode_reserve)."""
+    overrides: Profile fields to change (kv_tokens, max_running, decode_reserve, probe_s)."""
     system, seed, duration_s, clients, profile, output_tokens, *rest = args
     warm_share = rest[0] if rest else WARM_SHARE
     overrides = rest[1] if len(rest) > 1 else {}
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-running", type=int, help="each replica's batch cap (vLLM --max-num-seqs)")
     ap.add_argument("--decode-reserve", type=int,
                     help="KV tokens reserved per request at admission (vLLM V1: 0; default: the profile's)")
+    ap.add_argument("--probe-ms", type=float,
+                    help="what one probe of an engine's load endpoint takes, ms (vLLM's /metrics: ~8 on an "
+                         "H200's host; default: the profile's, 0 for the suite's: free and instant)")
     ap.add_argument("--output-tokens", type=int, default=TOT["output_tokens"], help="max_tokens of each thought")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated (default {','.join(SYSTEMS)}; any of `lb-bench sim-compare`'s)")
@@ -145,9 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= a.warm_share < 1:
         ap.error("--warm-share must be in [0, 1)")
     overrides = {k: v for k, v in (("kv_tokens", a.kv_tokens), ("max_running", a.max_running),
-                                   ("decode_reserve", a.decode_reserve)) if v is not None}
-    if overrides.get("kv_tokens", 1) <= 0 or overrides.get("max_running", 1) <= 0 or overrides.get("decode_reserve", 0) < 0:
-        ap.error("--kv-tokens and --max-running must be positive, --decode-reserve not negative")
+                                   ("decode_reserve", a.decode_reserve),
+                                   ("probe_s", None if a.probe_ms is None else a.probe_ms / 1000)) if v is not None}
+    if (overrides.get("kv_tokens", 1) <= 0 or overrides.get("max_running", 1) <= 0
+            or overrides.get("decode_reserve", 0) < 0 or overrides.get("probe_s", 0) < 0):
+        ap.error("--kv-tokens and --max-running must be positive, --decode-reserve and --probe-ms not negative")
     jobs = [(s, seed, a.duration, a.clients, a.engine, a.output_tokens, a.warm_share, overrides)
             for seed in range(a.seeds) for s in chosen]
     with ProcessPoolExecutor(a.workers) as pool:

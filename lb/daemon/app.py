@@ -277,6 +277,8 @@ def build_app(cfg: Config) -> web.Application:
                 "proven_running": v.proven_running,
                 # its preemption counter has grown: it admits past its free KV (SP-P's floor)
                 "overcommits": v.overcommits,
+                # pushes since the last probe that its answer could not include (SP-P's estimate)
+                "unseen_pushes": v.pushed_since_probe, "unseen_push_tokens": v.pushed_tokens_since_probe,
                 "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,
                 "source": rep.source or "static"}
 

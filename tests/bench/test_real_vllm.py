@@ -72,3 +72,34 @@ def test_emulator_empties_its_prefix_cache_on_vllms_reset_prefix_cache(tmp_path)
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert resp.status == 200
         assert _cached(emu.url, prompt) == 0
+
+
+def test_fleet_harness_ab_tests_another_checkout_on_any_workload_at_a_speed_up(tmp_path):
+    """`lb before` runs lb from the checkout LB_BEFORE names, interleaved with this one on the same
+    engines; WORKLOAD/WORKLOAD_PARAMS pick the clients' workload; EMU_SPEED runs the emulators, an
+    open-loop replay and lb's engine-time constants that many times faster."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "CLIENTS": "4", "SYSTEMS": "lb,lb before", "LB_BEFORE": root, "WORKLOAD": "shared-prefix",
+           "WORKLOAD_PARAMS": "total_rps=2", "EMU_SPEED": "4", "EMU_PROFILE": "h100-llama3-8b"}
+    r = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path), "1", "2"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["system"] for row in rows] == ["lb", "lb before"]
+    for row in rows:
+        assert row["ok"] > 0 and row["errors"] == 0, row
+        # what one probe took, and the router's own CPU over the run
+        assert row["lb_probe_mean_ms"] > 0 and 0 < row["router_cpu_share"] < 2, row
+    assert "interval_s = 0.025" in (tmp_path / "lb-engine-time.toml").read_text()  # lb's 100 ms probe / 4
+    # `lb before` really runs the lb of LB_BEFORE's checkout: here one whose daemon only says so
+    other = tmp_path / "other" / "lb" / "daemon"
+    other.mkdir(parents=True)
+    for pkg in (other.parent, other):
+        (pkg / "__init__.py").write_text("")
+    (other / "cli.py").write_text("print('the other checkout of lb')\nraise SystemExit(3)\n")
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
+                         capture_output=True, text=True, timeout=60, env={**env, "LB_BEFORE": str(tmp_path / "other")})
+    assert bad.returncode != 0 and "the other checkout of lb" in bad.stdout, bad.stdout[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad2"), "1", "1"],
+                         capture_output=True, text=True, timeout=30, env={**env, "LB_BEFORE": ""})
+    assert bad.returncode != 0 and "set LB_BEFORE" in bad.stderr, bad.stderr

@@ -415,3 +415,58 @@ def test_a_simulated_agent_step_leaves_when_its_tool_has_run_and_finds_its_sessi
             same += 1
             found += d.cached_tokens >= (prev.prompt_tokens + prev.output_tokens) // 16 * 16
     assert checked > 30 and same > 30 and found >= 0.95 * same
+
+
+def test_a_costly_probe_is_spaced_and_late_in_the_simulator_as_in_the_daemon(monkeypatch):
+    """An engine whose load endpoint takes time (`Profile.probe_s`, vLLM's /metrics page) is
+    probed as the daemon probes it: an early re-probe waits until probing takes at most
+    `probes.max_probe_share` of the replica's time (lb.core.pushing.early_probe_delay), what it
+    reads is the engine as the probe started, and it lands `probe_s` later; it is asked for
+    after a push or an answer only when a decision waits on it. With free probes (the suite's
+    profiles) the LB probes after every push and answer, at once."""
+    from dataclasses import replace
+
+    from bench.sim import spp
+    from bench.sim.clients import Programs
+    from bench.sim.compare import make_arena
+    from bench.sim.model import SimReplica
+    from bench.sim.workloads_sim import TOT, get
+    from bench.workloads import make_workload
+
+    def probes(overrides: dict) -> tuple[list, list, int]:
+        landed: list[tuple[str, float, float, int]] = []  # (replica, read at, landed at, engine waiting then)
+        instant = [0]
+        original_landed, original_now = SimReplica._probe_landed, SimReplica.probe_now
+
+        def spy_landed(rep, started, state, outstanding_at):
+            landed.append((rep.id, started, rep.loop.now, state[0]))
+            original_landed(rep, started, state, outstanding_at)
+
+        def spy_now(rep):
+            instant[0] += 1
+            original_now(rep)
+
+        monkeypatch.setattr(SimReplica, "_probe_landed", spy_landed)
+        monkeypatch.setattr(SimReplica, "probe_now", spy_now)
+        fleet = replace(get("tot").fleet, profile=spp.working_point("h100-llama3-8b", overrides))
+        arena = make_arena("tot", "lb", 0, fleet=fleet)
+        params = {k: v for k, v in TOT.items() if k != "workload"}
+        Programs(arena, make_workload("tot", seed=0, **params), stop_at=8.0).clients({"local": 30})
+        arena.loop.run(8.0)
+        return landed, arena.replicas, instant[0]
+
+    cost = 0.008
+    landed, replicas, instant = probes({"kv_tokens": 4096, "decode_reserve": 0, "probe_s": cost})
+    assert all(rep.view.probe_s == cost for rep in replicas)
+    assert instant == len(replicas)  # only the first probe of each, before it turns healthy
+    assert landed and all(abs(end - at - cost) < 1e-9 for _, at, end, _ in landed)
+    gap = cost * (1 - 0.25) / 0.25  # the daemon's default share
+    by_replica: dict[str, list] = {}
+    for rid, at, end, _ in landed:
+        by_replica.setdefault(rid, []).append((at, end))
+    spacings = [b[0] - a[1] for runs in by_replica.values() for a, b in zip(runs, runs[1:])]
+    assert spacings and min(spacings) >= gap - 1e-9
+    assert any(waiting for *_, waiting in landed)  # the engines queue here: the probes matter
+
+    _, _, free = probes({"kv_tokens": 4096, "decode_reserve": 0})
+    assert free > 2 * len(landed)  # free probes: after every push and every answer

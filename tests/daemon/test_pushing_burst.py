@@ -219,6 +219,9 @@ def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv():
         assert statuses == [200] * 12
         assert float(preempted[0].split()[-1]) > 0, preempted  # the engine did preempt
         poll(lambda: replica()["overcommits"] or None, what="lb marks the replica")
+        # SP-P's estimate of what the probes have not seen: nothing, once every answer is back
+        poll(lambda: (replica()["unseen_pushes"], replica()["unseen_push_tokens"]) == (0, 0) or None,
+             what="the probes settle every push")
         with urllib.request.urlopen(d.url + "/metrics", timeout=5) as r:
             assert f'lb_replica_overcommits{{replica="{replica()["id"]}"}} 1.0' in r.read().decode()
     finally:
