@@ -65,6 +65,20 @@ LEARNED_CAP_STEP = 8
 # carries a 2k-token prompt to a replica that preempts (the shared-prefix replay), a saturated
 # fleet completes 6 % less.
 OVERCOMMIT_UNSEEN = 8
+# ...and it may queue, beside the prefix it holds, a request that would otherwise wait in the LB
+# for it (`holder_queue_open`, lb.core.scheduler): under a full KV such an engine's waiting count
+# is rarely zero (it keeps the requests it preempts there), so SP-P's gate stays shut while the
+# engine admits as blocks free, and a tree's children held in the LB for their parent's replica
+# lost that prefix before they got there. A request that finds its prefix there needs few new
+# blocks and shares them; one that does not still waits in the LB (letting every request queue
+# there matched blind pushing on small-prompt trees but cost 9 % on SGLang's shared-prefix
+# benchmark, where requests queued at a replica without their system prompt evicted the ones it
+# held). The engine's queue stays at most what it runs (at least this many). Measured over four
+# engines that admit as vLLM V1 does (docs/results.md, twenty-third session, three interleaved
+# rounds each), against holding them in the LB: 30 ToT clients on 4,096 KV tokens 1.07x the
+# throughput at 0.91x the TTFT p90 (blind pushing 1.09x, 0.82x); shared-prefix at 1.3x capacity
+# 1.09x at 0.72x (blind pushing 0.81x, 1.64x).
+OVERCOMMIT_QUEUE = 8
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -93,6 +107,15 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
         return False
     floor = OVERCOMMIT_UNSEEN if view.overcommits else 1
     return unseen < floor or view.pushed_tokens_since_probe < view.kv_free_tokens
+
+
+def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -> bool:
+    """May a request whose prefix `view` holds join its engine's own queue, SP-P's gate shut?
+    Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why), with what waits there and the
+    unseen pushes under what it runs (at least OVERCOMMIT_QUEUE)."""
+    unseen = view.pushed_since_probe
+    return (view.overcommits and view.healthy and not view.draining and unseen < max_unseen
+            and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
 
 
 def note_preemptions(view: ReplicaView, total: float | None) -> None:

@@ -68,7 +68,7 @@ from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecisio
                              holder_peer, lighter_peer, local_or_peer, may_lighten, peer_available, predicted_peer)
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
-                             is_available, push_tokens, record_push)
+                             holder_queue_open, is_available, push_tokens, record_push)
 from lb.core.prefix import BytesPerToken, prompt_bytes, uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
@@ -341,9 +341,11 @@ class Scheduler:
         p = _Pass(self, list(targets), now)
         peers_open = peers is not None and peers.open(now)
         waiting = [m for m, n in self._waiting.items() if n]
-        if not peers_open and not any(p.for_model(m) for m in waiting):
-            return []  # nothing queued has a free target: skip walking the backlog
         memory = self.affinity.memory
+        # replicas whose engine keeps its own queue for the prefixes it holds (`holder_queue_open`)
+        queues = self._open_queues(p.targets, now) if memory is not None else {}
+        if not peers_open and not queues and not any(p.for_model(m) for m in waiting):
+            return []  # nothing queued has a free target: skip walking the backlog
         free_ids = p.free_ids(waiting) if memory is not None else ()
         out: list[Placement] = []
         blocked: set[str] = set()  # models nothing can take this pass, for any entry
@@ -352,6 +354,11 @@ class Scheduler:
             if facts.model in blocked:
                 continue
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
+            if not cands and queues:
+                holder = self._holder_queue(entry, queues, now)
+                if holder is not None:
+                    out.append(self._place(entry, holder, now))
+                    continue
             if not cands:
                 placed = self._to_peer(entry, peers, now, p.targets) if peers_open else None
                 if placed is not None:
@@ -359,7 +366,7 @@ class Scheduler:
                     if placed.kind is Kind.PEER:
                         peers_open = peers.open(now)
                     continue
-                if self._widest(entry, peers_open):
+                if self._widest(entry, peers_open) and not self._any_open(queues):
                     blocked.add(facts.model)
                     if len(blocked) >= len(waiting):
                         break  # nothing behind can be placed either
@@ -372,6 +379,10 @@ class Scheduler:
                     continue
             if memory is not None:
                 if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets)):
+                    holder = self._holder_queue(entry, queues, now) if queues else None
+                    if holder is not None:
+                        out.append(self._place(entry, holder, now))
+                        continue
                     out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
                                          waited=now - entry.enqueued_at))
                     continue
@@ -392,6 +403,36 @@ class Scheduler:
             if not self.eligible(target, now):
                 p.drop(target)
         return out
+
+    def _open_queues(self, targets: list, now: float) -> dict:
+        """The targets SP-P's gate shuts whose engine may still queue the requests it holds the
+        prefix of (an engine seen to preempt: lb.core.pushing.holder_queue_open)."""
+        if self.mode is not Pushing.SP_PENDING:
+            return {}
+        max_unseen = self.cfg.max_unseen
+        return {t.view.id: t for t in targets
+                if holder_queue_open(t.view, max_unseen) and (t.breaker is None or t.breaker.allows(now))
+                and not self.available(t.view)}
+
+    def _any_open(self, queues: dict) -> bool:
+        max_unseen = self.cfg.max_unseen
+        return any(holder_queue_open(t.view, max_unseen) for t in queues.values())
+
+    def _holder_queue(self, entry: QueueEntry, queues: dict, now: float):
+        """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any: it
+        goes into that engine's queue beside its prefix instead of waiting here for it (and
+        losing it). The policy is asked with that one candidate, so the placement carries its
+        decision (prefix match, predicted TTFT) as any other does."""
+        max_unseen = self.cfg.max_unseen
+        usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
+                  if holder_queue_open(t.view, max_unseen) and self._may_go(entry, t.view) and i not in entry.exclude}
+        if not usable:
+            return None
+        depth, blocks, holders = self.affinity.memory.affinity(entry.facts, usable.keys())
+        if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
+            return None
+        target = usable[holders[0]]
+        return target if self.policy.choose(entry.facts, [target.view], now) == target.view.id else None
 
     def _uncached(self, facts: RequestFacts) -> float:
         """The prompt tokens the policy's last choice will not find cached (its prefix match)."""

@@ -1,0 +1,78 @@
+"""An engine that preempts keeps its own queue for the prefixes it holds
+(lb.core.pushing.holder_queue_open, the scheduler's `_holder_queue`): a request that would wait in
+the LB for its prefix's replica joins that replica's engine queue instead, bounded by what the
+engine runs; a request with nothing cached there still waits in the LB. Time is passed in."""
+from __future__ import annotations
+
+from lb.core.affinity import AffinityConfig
+from lb.core.policies import make_policy
+from lb.core.pushing import OVERCOMMIT_QUEUE, holder_queue_open
+from lb.core.queueing import make_queue
+from lb.core.scheduler import Kind, Scheduler, SchedulerConfig
+from lb.core.types import QueueEntry, ReplicaView, RequestFacts
+
+NOW = 1000.0
+CONTEXT = "a question and its first thoughts " * 100  # ~3,400 characters: many prefix blocks
+
+
+class Rep:
+    def __init__(self, rid: str, **kw):
+        self.view = ReplicaView(id=rid, url="", engine="vllm", models=frozenset({"m"}), **kw)
+        self.breaker = None
+
+
+def child(rid: str) -> RequestFacts:
+    return RequestFacts(rid, "m", prompt=CONTEXT + f" thought {rid}", prompt_tokens=1000)
+
+
+def other(rid: str) -> RequestFacts:
+    return RequestFacts(rid, "m", prompt=f"an unrelated question {rid} " * 100, prompt_tokens=1000)
+
+
+def run(overcommits: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]:
+    """Replica `a` took a tree's root, then its engine filled (requests waiting there: SP-P's gate
+    shuts); `b` is free. Three of the tree's calls and one unrelated request arrive."""
+    s = Scheduler(SchedulerConfig(pushing=pushing, affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
+                  make_queue("fcfs"))
+    a, b = Rep("a"), Rep("b")
+    s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
+    assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
+    a.view.pending, a.view.running, a.view.pushed_since_probe = 3, 6, 0  # its probe: full, 3 waiting
+    a.view.overcommits = overcommits
+    for i, f in enumerate([child("c1"), child("c2"), other("x"), child("c3")]):
+        s.admit(QueueEntry(f, enqueued_at=NOW, seq=i + 1), NOW)
+    b.view.pending = 1  # the other replica's engine is full too: nothing is free
+    return a, b, s.schedule(NOW, [a, b])
+
+
+def test_a_held_request_joins_its_prefix_holders_own_queue_when_that_engine_preempts():
+    a, _, out = run(overcommits=True)
+    got = {p.entry.facts.request_id: (p.kind, p.target_id) for p in out}
+    # what waits there plus the unseen pushes stay under max(OVERCOMMIT_QUEUE, running): 3 + 5 < 8
+    assert got["c1"] == (Kind.REPLICA, "a") and got["c2"] == (Kind.REPLICA, "a") and got["c3"] == (Kind.REPLICA, "a")
+    assert "x" not in got  # nothing of it cached anywhere: it waits in the LB for a free replica
+    assert a.view.pushed_since_probe == 3 and a.view.outstanding == 4  # the root and the three calls
+    # the placement carries the policy's decision for that replica (its prefix match)
+    assert all(p.matched_blocks > 0 for p in out if p.kind is Kind.REPLICA)
+
+
+def test_an_engine_that_does_not_preempt_keeps_sp_ps_gate_and_blind_pushing_is_unchanged():
+    _, _, out = run(overcommits=False)
+    assert out == []  # no replica free, none keeping a queue: everything waits in the LB
+    a, b, out = run(overcommits=True, pushing="blind")
+    assert len([p for p in out if p.kind is Kind.REPLICA]) == 4  # blind pushing takes everything anyway
+
+
+def test_the_holders_queue_is_bounded_by_what_its_engine_runs():
+    v = ReplicaView(id="a", url="", engine="vllm", overcommits=True, pending=3, running=6)
+    assert holder_queue_open(v)
+    v.pushed_since_probe = OVERCOMMIT_QUEUE - 3  # 8 waiting or unseen: the floor reached
+    assert not holder_queue_open(v)
+    v.running = 20  # a bigger batch takes a longer queue
+    assert holder_queue_open(v)
+    v.pushed_since_probe = 17
+    assert not holder_queue_open(v)
+    v.pushed_since_probe, v.overcommits = 0, False
+    assert not holder_queue_open(v)  # an engine not seen to preempt: SP-P's gate alone
+    v.overcommits, v.draining = True, True
+    assert not holder_queue_open(v)
