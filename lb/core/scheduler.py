@@ -85,6 +85,11 @@ class Kind(str, Enum):
     REJECT = "reject"  # answer now with `reason`
 
 
+# How many queued requests one pass may look up in the prefix memory for a replica that keeps its
+# own queue (`_holder_queue`): with every replica's SP-P gate shut the pass no longer stops at the
+# first request, and a queue of thousands must not cost thousands of prefix matches per probe.
+HOLDER_QUEUE_TRIES = 64
+
 # Why a request is rejected (the daemon maps each to one HTTP answer: lb.daemon.dispatch.Dispatcher._error).
 QUEUE_FULL = "queue_full"
 SHUTTING_DOWN = "shutting_down"
@@ -344,6 +349,7 @@ class Scheduler:
         memory = self.affinity.memory
         # replicas whose engine keeps its own queue for the prefixes it holds (`holder_queue_open`)
         queues = self._open_queues(p.targets, now) if memory is not None else {}
+        tries = HOLDER_QUEUE_TRIES  # prefix lookups for them this pass: a long queue is not walked whole
         if not peers_open and not queues and not any(p.for_model(m) for m in waiting):
             return []  # nothing queued has a free target: skip walking the backlog
         free_ids = p.free_ids(waiting) if memory is not None else ()
@@ -354,7 +360,8 @@ class Scheduler:
             if facts.model in blocked:
                 continue
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
-            if not cands and queues:
+            if not cands and queues and tries > 0:
+                tries -= 1
                 holder = self._holder_queue(entry, queues, now)
                 if holder is not None:
                     out.append(self._place(entry, holder, now))
@@ -366,7 +373,7 @@ class Scheduler:
                     if placed.kind is Kind.PEER:
                         peers_open = peers.open(now)
                     continue
-                if self._widest(entry, peers_open) and not self._any_open(queues):
+                if self._widest(entry, peers_open) and not (tries > 0 and self._any_open(queues)):
                     blocked.add(facts.model)
                     if len(blocked) >= len(waiting):
                         break  # nothing behind can be placed either
@@ -379,7 +386,8 @@ class Scheduler:
                     continue
             if memory is not None:
                 if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets)):
-                    holder = self._holder_queue(entry, queues, now) if queues else None
+                    holder = self._holder_queue(entry, queues, now) if queues and tries > 0 else None
+                    tries -= 1
                     if holder is not None:
                         out.append(self._place(entry, holder, now))
                         continue
