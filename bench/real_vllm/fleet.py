@@ -16,6 +16,11 @@ interleaved. The environment picks the engines' working point and the systems:
 `KV_GIB` is each replica's KV cache (GiB; the emulators get as many tokens at this shape's
 128 KiB a token), `MAX_NUM_SEQS` vLLM's batch cap (the emulators' `--max-running`); a small KV
 or cap is what makes engines queue, the only place selective pushing can differ from blind.
+`LB_BEFORE` (another checkout of lb) adds the system "lb before", interleaved with this one on
+the same engines: an A/B of a change. `WORKLOAD` and `WORKLOAD_PARAMS` pick the clients'
+workload (`lb-bench run --workload/--param`); in `emu` mode `EMU_PROFILE` picks the engine model
+and `EMU_SPEED` runs the emulators, an open-loop replay and lb's engine-time constants that many
+times faster; `LB_CONFIG` is a config file every lb system starts with.
 
 Every run starts from empty prefix caches (vLLM dev mode's `POST /reset_prefix_cache`), reads
 the engines' own counters before and after (prefix-cache hits, preemptions) and samples their running/waiting every 0.25 s. Rows go to OUT/summary.json as
@@ -294,6 +299,10 @@ def main():
         if "lb before" in names and not LB_BEFORE:
             raise SystemExit("SYSTEMS names 'lb before': set LB_BEFORE to the other checkout's directory")
         SYSTEMS = {n: ALL_SYSTEMS[n] for n in names}
+    if LB_BEFORE and not (pathlib.Path(LB_BEFORE) / "lb" / "daemon" / "cli.py").is_file():
+        # without it the interpreter would find this checkout's lb and the A/B compare it with itself
+        raise SystemExit(f"LB_BEFORE: {LB_BEFORE!r} holds no lb/daemon/cli.py; give a checkout of lb "
+                         "(e.g. `git worktree add /tmp/before HEAD~1`)")
     MODE, MODEL, OUT = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     DURATION = float(sys.argv[5]) if len(sys.argv) > 5 else 25

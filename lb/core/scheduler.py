@@ -386,8 +386,10 @@ class Scheduler:
                     continue
             if memory is not None:
                 if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets)):
-                    holder = self._holder_queue(entry, queues, now) if queues and tries > 0 else None
-                    tries -= 1
+                    holder = None
+                    if queues and tries > 0:
+                        tries -= 1
+                        holder = self._holder_queue(entry, queues, now)
                     if holder is not None:
                         out.append(self._place(entry, holder, now))
                         continue

@@ -103,3 +103,7 @@ def test_fleet_harness_ab_tests_another_checkout_on_any_workload_at_a_speed_up(t
     bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad2"), "1", "1"],
                          capture_output=True, text=True, timeout=30, env={**env, "LB_BEFORE": ""})
     assert bad.returncode != 0 and "set LB_BEFORE" in bad.stderr, bad.stderr
+    # a directory that is no checkout would let the interpreter find this one's lb: refused
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad3"), "1", "1"],
+                         capture_output=True, text=True, timeout=30, env={**env, "LB_BEFORE": str(tmp_path)})
+    assert bad.returncode != 0 and "holds no lb/daemon/cli.py" in bad.stderr, bad.stderr
