@@ -27,7 +27,7 @@ import orjson
 from bench import report as report_mod
 from bench.stats import RequestRecord, run_report
 from bench.workloads import WORKLOADS, is_open_loop, make_workload
-from bench.workloads.base import RequestSpec
+from bench.workloads.base import EXACT, RequestSpec, check_max_tokens
 
 DEFAULT_REQUESTS = 100
 DEFAULT_GRACE_S = 30.0  # in-flight requests may finish this long after --duration
@@ -76,10 +76,10 @@ def chunk_text(chunk: dict) -> str:
 
 
 async def send_whole(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
-                     record: RequestRecord, clock) -> str | None:
+                     record: RequestRecord, clock, declared: str | int = EXACT) -> str | None:
     """One request answered whole (`stream: false`), filling `record` (no TTFT: the client
     sees nothing before the end); returns the output text when it succeeded."""
-    body = spec.body(model)
+    body = spec.body(model, declared)
     body["stream"] = False
     body.pop("stream_options", None)
     sent = clock()
@@ -117,15 +117,16 @@ def read_usage(record: RequestRecord, usage: dict) -> None:
 
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
-               record: RequestRecord, clock) -> str | None:
-    """Stream one request, filling `record`; returns the output text when it succeeded."""
+               record: RequestRecord, clock, declared: str | int = EXACT) -> str | None:
+    """Stream one request, filling `record`; returns the output text when it succeeded.
+    `declared`: what max_tokens the client declares (bench.workloads.base.EXACT)."""
     sent = clock()
     output: list[str] = []
     last_token_at = None
     done = finished = False
     chunks = 0
     try:
-        async with session.post(url, data=orjson.dumps(spec.body(model)),
+        async with session.post(url, data=orjson.dumps(spec.body(model, declared)),
                                 headers={"Content-Type": "application/json", **spec.headers()}) as resp:
             record.status = resp.status
             if resp.status != 200:
@@ -176,8 +177,9 @@ class Bench:
 
     def __init__(self, targets: list[str], workload, *, model: str, clients: int,
                  duration: float | None, requests: int | None, time_scale: float,
-                 deadline: float, progress: bool, stream: bool = True):
+                 deadline: float, progress: bool, stream: bool = True, max_tokens: str | int = EXACT):
         self.send = send if stream else send_whole
+        self.declared = max_tokens
         self.urls = itertools.cycle([t.rstrip("/") + "/v1/chat/completions" for t in targets])
         self.workload, self.model, self.clients = workload, model, clients
         self.duration, self.max_requests, self.time_scale = duration, requests, time_scale
@@ -199,7 +201,8 @@ class Bench:
         record = RequestRecord(spec.request_id, self.clock(), tenant=spec.user, tier=spec.tier,
                                interaction_id=spec.interaction_id, final=spec.final)
         self.records.append(record)
-        task = asyncio.ensure_future(self.send(session, next(self.urls), spec, self.model, record, self.clock))
+        task = asyncio.ensure_future(self.send(session, next(self.urls), spec, self.model, record, self.clock,
+                                                 self.declared))
         self.inflight[task] = record
         task.add_done_callback(lambda t: (self.inflight.pop(t, None), self.completions.append(self.clock())))
         return task
@@ -298,7 +301,7 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
                     duration: float | None = None, requests: int | None = None, seed: int = 0,
                     model: str | None = None, time_scale: float = 1.0, deadline: float | None = None,
                     progress: bool = False, params: dict | None = None,
-                    stream: bool = True) -> tuple[dict, list[RequestRecord]]:
+                    stream: bool = True, max_tokens: str | int = EXACT) -> tuple[dict, list[RequestRecord]]:
     """Run one bounded workload; returns (run JSON, per-request records). Used by scenarios."""
     if duration is None and requests is None:
         requests = DEFAULT_REQUESTS
@@ -308,9 +311,10 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
     model = model or await discover_model(targets[0])
     bench = Bench(targets, workload, model=model, clients=clients, duration=duration,
                   requests=requests, time_scale=time_scale, deadline=deadline, progress=progress,
-                  stream=stream)
+                  stream=stream, max_tokens=max_tokens)
     result, records = await bench.run()
-    result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, "stream": stream, **result}
+    result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, "stream": stream,
+              "max_tokens": max_tokens, **result}
     return result, records
 
 
@@ -343,11 +347,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, help="write one JSON line per request here")
     parser.add_argument("--no-stream", action="store_true",
                         help="ask for whole answers (stream: false): E2E and usage only, no TTFT")
+    parser.add_argument("--max-tokens", default=EXACT, metavar="exact|none|N",
+                        help="what max_tokens to declare: exact (each answer's length, the default: an oracle "
+                             "no real client is), none, or N (a loose cap: choose one the context allows); "
+                             "otherwise the answer's length goes as min_tokens, where the emulator ends it")
 
 
 def run(args: argparse.Namespace) -> int:
     try:  # a bad --param reads as one line naming it, before anything starts
         make_workload(args.workload, seed=args.seed, **dict(args.param))
+        max_tokens = check_max_tokens(args.max_tokens)
     except (ValueError, TypeError) as e:
         print(f"lb-bench run: {e}", file=sys.stderr)
         return 2
@@ -360,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.workload, clients=args.clients, duration=args.duration,
         requests=args.requests, seed=args.seed, model=args.model, time_scale=args.time_scale,
         deadline=args.deadline, progress=sys.stdout.isatty(), params=dict(args.param),
-        stream=not args.no_stream))
+        stream=not args.no_stream, max_tokens=max_tokens))
     print(report_mod.format_run(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

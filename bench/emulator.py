@@ -112,7 +112,8 @@ class Driver:
             raise ApiError(400, f"Duplicate request id {g.rid!r}.", "rid")
         now = self.now()
         self.engine.submit(EngineRequest(g.rid, g.prompt_ids, max_new, g.ignore_eos,
-                                         g.priority, now, sample_key=g.sample_key), now)
+                                         g.priority, now, sample_key=g.sample_key,
+                                         min_new_tokens=g.min_new_tokens), now)
         stream = self.streams[g.rid] = Stream(g.rid, len(g.prompt_ids))
         self._wake.set()
         return stream

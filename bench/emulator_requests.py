@@ -39,6 +39,7 @@ class GenRequest:
     include_usage: bool
     model: str | None
     sample_key: int | None = None  # bench.engine.EngineRequest.sample_key (`sample_key` below)
+    min_new_tokens: int = 0  # bench.engine.EngineRequest.min_new_tokens (`min_tokens`)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -92,8 +93,12 @@ def _common(body: dict, prompt_ids: list[int], max_new: int | None, ignore_eos: 
     model = _typed(body, "model", str, "a string")
     if not prompt_ids:
         raise ApiError(400, "The prompt is empty.", "prompt")
+    options = body if params is None else params
+    min_new = _typed(options, "min_new_tokens" if params is not None else "min_tokens", int, "an integer", 0)
+    if min_new < 0:
+        raise ApiError(400, "'min_tokens' must be at least 0.", "min_tokens")
     return GenRequest(rid, prompt_ids, max_new, ignore_eos, priority, stream, include_usage, model,
-                      sample_key(body if params is None else params))
+                      sample_key(options), min_new)
 
 
 def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool]:

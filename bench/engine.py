@@ -61,8 +61,9 @@ Scheduling, as SGLang and vLLM do it:
   tokens (always leaving at least the last prompt token to compute, as engines do).
 - Step time = step_base_s + prefill_token_s·prefill tokens + decode_seq_s·decoding sequences
   + context_token_s·context tokens of the batch.
-- Output: `ignore_eos` → exactly max_new_tokens; otherwise a lognormal length (seeded per
-  engine seed and prompt) capped by max_new_tokens. Output token ids are deterministic per
+- Output: `ignore_eos` → exactly max_new_tokens; otherwise `min_new_tokens` when given (the
+  model ends its answer as soon as it may), else a lognormal length (seeded per engine seed
+  and prompt), capped by max_new_tokens. Output token ids are deterministic per
   (seed, prompt) and come from `tokenizer.OUTPUT_IDS`, so they decode to text.
 - Sampled answers: a request with a `sample_key` (sampled decoding, the API's default) draws
   its length and ids per (seed, prompt, key), so two requests with the same prompt share the
@@ -134,6 +135,11 @@ class EngineRequest:
     # Sampled decoding: the answer's draw (two requests with the same prompt and different keys
     # get different answers, as sampling gives them); None: greedy, the answer follows the prompt.
     sample_key: int | None = None
+    # The API's `min_tokens` (SGLang's `min_new_tokens`): no end of answer before this many
+    # tokens. Without `ignore_eos` the emulated model ends its answer as soon as that allows, so
+    # a benchmark client can dictate an answer's length without declaring it as `max_tokens`
+    # (bench.workloads.base.EXACT); 0: the lognormal length below.
+    min_new_tokens: int = 0
 
 
 @dataclass
@@ -371,6 +377,8 @@ class Engine:
         rng = random.Random(hash(draw)) if self.token_ids or not req.ignore_eos else None
         if req.ignore_eos:
             target = req.max_new_tokens
+        elif req.min_new_tokens:
+            target = min(req.max_new_tokens, req.min_new_tokens)
         else:
             p = self.profile
             drawn = round(rng.lognormvariate(math.log(p.output_median), p.output_sigma))

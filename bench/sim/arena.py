@@ -26,6 +26,7 @@ from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from bench.sim.peer_policies import PeerPolicy, PeerRequest
 from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
 from bench.stats import RequestRecord
+from bench.workloads.base import EXACT, check_max_tokens, declared_max_tokens
 from lb.core.types import RequestFacts, Tier
 
 
@@ -221,8 +222,9 @@ class Arena:
 
     def __init__(self, fleet: FleetSpec, system: str, *, seed: int, lb_cfg: LBConfig | None = None,
                  peer: PeerPolicy | None = None, http_s: float = HTTP_S, http_jitter: float = 0.0,
-                 jitter_seed: int = 0, stream: bool = True):
+                 jitter_seed: int = 0, stream: bool = True, max_tokens: str | int = EXACT):
         self.fleet, self.system, self.seed = fleet, system, seed
+        self.max_tokens = check_max_tokens(max_tokens)  # what clients declare (`declared_max_tokens`)
         self._http_s, self._jitter = http_s, http_jitter
         self.stream = stream  # False: every client asks for whole answers: the LB sees no first token
         self._rng = random.Random(f"http-{seed}-{jitter_seed}")
@@ -280,7 +282,9 @@ class Arena:
                          call.tokens, call.output_tokens)
         front, _ = self._front_of(call.region)
         req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
-                                 max_tokens=call.output_tokens, arrival=now, user=call.user, session=call.session,
+                                 max_tokens=declared_max_tokens(self.max_tokens, call.output_tokens,
+                                                                self.limit - len(call.tokens)),
+                                 arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
                                  final_call=call.final, tier=call.tier, stream=self.stream)
         if isinstance(front, PeerFront):

@@ -34,6 +34,7 @@ from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
 from bench.stats import steady_summary
 from bench.systems import pick_names
+from bench.workloads.base import EXACT, check_max_tokens
 
 DEFAULT_SEEDS = 5
 DEFAULT_LOAD = 0.9
@@ -61,13 +62,14 @@ def chosen_systems(spec: str | None) -> list[str]:
 
 
 def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True,
-               lb_cfg: LBConfig | None = None) -> Arena:
+               lb_cfg: LBConfig | None = None, max_tokens: str | int = EXACT) -> Arena:
     fleet = fleet or get(workload).fleet
+    client = {"stream": stream, "max_tokens": max_tokens}
     if lb_cfg is not None:
-        return Arena(fleet, system, seed=seed, lb_cfg=lb_cfg, stream=stream)
+        return Arena(fleet, system, seed=seed, lb_cfg=lb_cfg, **client)
     if system in LB_VARIANTS:
-        return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]), stream=stream)
-    return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), stream=stream)
+        return Arena(fleet, system, seed=seed, lb_cfg=lb_config(**LB_VARIANTS[system]), **client)
+    return Arena(fleet, system, seed=seed, peer=PEERS[system].build(seed), **client)
 
 
 def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
@@ -87,12 +89,13 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
 
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg]]); `lb_cfg` (an
-    `LBConfig`) runs lb with those settings under the system's name."""
+    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens]]]); `lb_cfg`
+    (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is what
+    the clients declare (bench.workloads.base.EXACT)."""
     workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
-                       lb_cfg=rest[1] if len(rest) > 1 else None)
+                       lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT)
     get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
@@ -155,13 +158,13 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: l
 
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
              workers: int, out: Path, stream: bool = True, names: list[str] | None = None,
-             lb_file: LBConfig | None = None) -> dict:
+             lb_file: LBConfig | None = None, max_tokens: str | int = EXACT) -> dict:
     """Every system of `names` (default all) on the same arrivals, and with `lb_file` lb with
     those settings as `LB_FROM_FILE`."""
     rate = load * capacity
     names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
-    jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None)
-            for seed in range(seeds) for system in names]
+    jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None,
+             max_tokens) for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -170,6 +173,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
         runs = list(map(run_one, jobs))
     summary = summarize(workload, seeds, runs, {
         "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s, "stream": stream,
+        "max_tokens": max_tokens,
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
@@ -212,6 +216,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="clients ask for whole answers (stream: false), as batch and third-party clients "
                              "often do: no system sees a first token before the answer ends (TTFT is still "
                              "reported as the engine's first token)")
+    parser.add_argument("--max-tokens", default=EXACT, metavar="exact|none|N",
+                        help="what clients declare as max_tokens: exact (the answer's length, the default: an "
+                             "oracle), none (nothing, as chat clients), or N tokens (a loose cap, as reasoning "
+                             "clients); the answers are as long either way")
     parser.add_argument("--duration", type=float,
                         help="virtual seconds per run (default: the workload's, 300; --quick 150). Longer runs show "
                              "what only a steady state shows: a learned rate that drifts took ~10 minutes to appear")
@@ -246,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
         workload.quick_duration_s if args.quick else workload.duration_s)
     if duration <= 0:
         raise SystemExit("--duration must be > 0 (virtual seconds, e.g. 1500)")
+    try:
+        max_tokens = check_max_tokens(getattr(args, "max_tokens", EXACT))
+    except ValueError as exc:
+        raise SystemExit(f"--{exc}") from None
     names = chosen_systems(getattr(args, "systems", None))
     lb_file = None
     if getattr(args, "lb_config", None):
@@ -264,11 +276,12 @@ def run(args: argparse.Namespace) -> int:
         where = out / f"load-{load:g}" if args.sweep else out
         summaries[load] = run_load(args.workload, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
                                    workers=args.workers, out=where, stream=not args.no_stream, names=names,
-                                   lb_file=lb_file)
+                                   lb_file=lb_file, max_tokens=max_tokens)
         from bench.sim.compare_report import table
 
         print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
-              + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else ""))
+              + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else "")
+              + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot

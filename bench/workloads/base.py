@@ -56,10 +56,18 @@ class RequestSpec:
                  H_FINAL: None if self.final is None else ("1" if self.final else "0")}
         return {k: v for k, v in pairs.items() if v is not None}
 
-    def body(self, model: str) -> dict:
+    def body(self, model: str, declared: str | int = "exact") -> dict:
+        """The request's JSON; `declared`: what the client declares as max_tokens (EXACT below).
+        Not declared exactly, the answer's length goes as `min_tokens` instead, which engines
+        accept and the emulator ends its answer at (bench.engine.EngineRequest.min_new_tokens)."""
         body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
-        if self.ignore_eos:
+        if self.ignore_eos and declared != EXACT:
+            del body["max_tokens"]
+            if declared != UNDECLARED:
+                body["max_tokens"] = max(self.max_tokens, int(declared))
+            body["min_tokens"] = self.max_tokens
+        elif self.ignore_eos:
             body["ignore_eos"] = True
         if self.user:
             body["user"] = self.user
@@ -67,6 +75,38 @@ class RequestSpec:
 
     def prompt_text(self) -> str:
         return "".join(m["content"] for m in self.messages)
+
+
+# What a client declares as `max_tokens`. A workload dictates each answer's length, and by
+# default its client declares exactly that length: an oracle no real client is. Real ones
+# declare nothing (chat UIs, most SDK calls) or a loose cap (reasoning and agent clients), and
+# whatever `lb` reads from `max_tokens` (how long a request holds for its prefix's replica, the
+# decode room it reserves) must hold up under both: `UNDECLARED` sends none, an int N sends N
+# (less where the prompt leaves less room in the context), the answers as long as before.
+EXACT, UNDECLARED = "exact", "none"
+
+
+def check_max_tokens(value: object) -> str | int:
+    """`exact`, `none` or a positive int (as given on a command line); else a ValueError that says so."""
+    if value in (EXACT, UNDECLARED):
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or isinstance(value, bool):
+        raise ValueError(f"max_tokens: give exact, none or a positive number of tokens, got {value!r}")
+    return n
+
+
+def declared_max_tokens(mode: str | int, output_tokens: int, room: int) -> int | None:
+    """What the client sends as max_tokens for an answer of `output_tokens` (see EXACT):
+    `room` is what the context leaves after the prompt."""
+    if mode == EXACT:
+        return output_tokens
+    if mode == UNDECLARED:
+        return None
+    return max(output_tokens, min(int(mode), room))
 
 
 class Program(Protocol):

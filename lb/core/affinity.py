@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import itertools
 from typing import Collection, Iterable, Iterator
 
+from lb.core.length_model import LengthModel
 from lb.core.prefix import uncached_tokens
 from lb.core.types import PrefixMemory, QueueEntry, RequestFacts
 
@@ -69,17 +70,20 @@ class AffinityConfig:
             raise ValueError("affinity: window, hold_s, hold_per_token_s and max_bypass_s must be >= 0 "
                              "and 0 < min_gain <= 1")
 
-    def hold_bound(self, req: RequestFacts, step_s: float | None = None) -> float:
+    def hold_bound(self, req: RequestFacts, step_s: float | None = None, expected_output: float | None = None) -> float:
         """Longest `req` waits for its busy prefix holder: about as long as its answer takes to
         decode there, at `step_s` per token (the fleet's learned inter-token time; the configured
-        `hold_per_token_s` until one is learned)."""
+        `hold_per_token_s` until one is learned). The answer's length is its max_tokens, or where
+        the client declares none (chat clients, most SDK calls), `expected_output`: the learned
+        length of answers like it (`AffinityScheduler.lengths`)."""
         per_token = step_s if step_s else self.hold_per_token_s
-        return max(self.hold_s, per_token * (req.max_tokens or 0))
+        tokens = req.max_tokens if req.max_tokens is not None else expected_output
+        return max(self.hold_s, per_token * (tokens or 0))
 
-    def bypass_bound(self, req: RequestFacts, step_s: float | None = None) -> float:
+    def bypass_bound(self, req: RequestFacts, step_s: float | None = None, expected_output: float | None = None) -> float:
         """Longest the reordering may jump over `req`: while it may still be held for its
         holder, it is waiting for its cache, not being passed over."""
-        return max(self.max_bypass_s, self.hold_bound(req, step_s))
+        return max(self.max_bypass_s, self.hold_bound(req, step_s, expected_output))
 
 
 def front_wait(entry: QueueEntry, now: float) -> float:
@@ -89,9 +93,18 @@ def front_wait(entry: QueueEntry, now: float) -> float:
 
 
 class AffinityScheduler:
-    def __init__(self, cfg: AffinityConfig, memory: PrefixMemory | None):
+    def __init__(self, cfg: AffinityConfig, memory: PrefixMemory | None, lengths: LengthModel | None = None):
         self.cfg = cfg
         self.memory = memory  # None: the policy remembers no prefixes, strict queue order
+        # answers' lengths learned from what replicas returned (the scheduler feeds it): a hold's
+        # bound for a request that declares no max_tokens
+        self.lengths = lengths
+
+    def expected_output(self, facts: RequestFacts) -> float | None:
+        """The answer length a hold assumes for a request without max_tokens (None: it has one)."""
+        if facts.max_tokens is not None or self.lengths is None:
+            return None
+        return self.lengths.expected(facts)
 
     def order(self, entries: Iterable[QueueEntry], now: float, free: Collection[str]) -> Iterator[QueueEntry]:
         """The order to offer entries (given in queue order) to the free replicas in one pass:
@@ -113,7 +126,7 @@ class AffinityScheduler:
         for i, entry in enumerate(entries):
             if entry.fronted_at is None:
                 entry.fronted_at = now
-            if now - entry.fronted_at >= cfg.bypass_bound(entry.facts, step):
+            if now - entry.fronted_at >= cfg.bypass_bound(entry.facts, step, self.expected_output(entry.facts)):
                 stop.append(entry)
                 break
             depth, _, _ = memory.affinity(entry.facts, free)
@@ -157,7 +170,8 @@ class AffinityScheduler:
         region = min(remote, key=remote.__getitem__)
         # a peer could serve it now: it waits for its cache at most max_bypass_s, however long its
         # hold bound (60 s for 1,000 tokens); measured level with the hold bound (docs/results.md)
-        keep_for = min(self.cfg.hold_bound(facts, memory.decode_step_s()), self.cfg.max_bypass_s)
+        keep_for = min(self.cfg.hold_bound(facts, memory.decode_step_s(), self.expected_output(facts)),
+                       self.cfg.max_bypass_s)
         if remote[region] - here >= gain and front_wait(entry, now) < keep_for:
             return "keep", None
         if here - remote[region] >= gain:
@@ -182,7 +196,7 @@ class AffinityScheduler:
         cfg, memory = self.cfg, self.memory
         if memory is None or len(live) <= len(free):
             return False
-        if front_wait(entry, now) >= cfg.hold_bound(entry.facts, memory.decode_step_s()):
+        if front_wait(entry, now) >= cfg.hold_bound(entry.facts, memory.decode_step_s(), self.expected_output(entry.facts)):
             return False
         depth_all, blocks, holders = memory.affinity(entry.facts, live)
         if not blocks or depth_all < cfg.min_gain * blocks or not set(holders).isdisjoint(free):

@@ -118,6 +118,12 @@ class LengthModel:
         return LengthPrediction(min(sk.mean(), cap), min(sk.quantile(0.5), cap),
                                 min(sk.quantile(0.9), cap), level)
 
+    def expected(self, facts: RequestFacts) -> float:
+        """`predict(facts).expected` alone, without the quantiles' sort (a scheduling pass asks)."""
+        _, sk = self.sketch_for(facts)
+        cap = float(facts.max_tokens) if facts.max_tokens else math.inf
+        return min(sk.mean() if sk is not None else self.prior_tokens, cap)
+
     def refine(self, facts: RequestFacts, generated: int) -> float:
         """A new total-length guess for a request that has already produced `generated`
         tokens, at or past its prediction: the learned mean of lengths beyond that point."""

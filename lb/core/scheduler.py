@@ -64,6 +64,7 @@ from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
+from lb.core.length_model import LengthModel
 from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
                              holder_peer, lighter_peer, local_or_peer, may_lighten, peer_available, predicted_peer)
 from lb.core.policies import load
@@ -202,7 +203,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, policy: Policy, queue: QueueOrderBase):
         self.policy = policy
         self.queue = queue
-        self.affinity = AffinityScheduler(cfg.affinity, policy.prefix_memory)
+        self.affinity = AffinityScheduler(cfg.affinity, policy.prefix_memory, LengthModel())
         self.bytes_per_token = BytesPerToken()  # what an engine's KV size in tokens is in trie blocks
         self.reconfigure(cfg)
         self.closed = False
@@ -263,6 +264,8 @@ class Scheduler:
         """A replica answered a placed request: what it took feeds the policy's learned rates,
         and the prompt tokens it counted (when it says) the bytes a token takes here."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
+        if output_tokens >= 1:
+            self.affinity.lengths.observe(facts, output_tokens)
         if prompt_tokens and facts.prompt and self.affinity.memory is not None:  # only a trie uses it
             self.bytes_per_token.observe(prompt_bytes(facts), prompt_tokens)
 

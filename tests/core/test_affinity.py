@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lb.core.affinity import AffinityConfig, AffinityScheduler
+from lb.core.length_model import LengthModel
 from lb.core.policies import make_policy
 from lb.core.types import QueueEntry, RequestFacts
 
@@ -131,3 +132,27 @@ def test_the_hold_follows_the_inter_token_time_the_fleet_shows_not_a_profiles_co
     assert policy.prefix_memory.decode_step_s() == pytest.approx(0.2)
     assert s.hold(child, 19.9, free={"b"}, live={"a", "b"})
     assert not s.hold(child, 20.1, free={"b"}, live={"a", "b"})
+
+
+def test_a_request_declaring_no_max_tokens_holds_as_long_as_the_answers_like_it_take():
+    """Chat clients and most SDK calls send no max_tokens: the hold then assumes the length the
+    replicas' answers have shown (the scheduler's length model), not the bare `hold_s` floor,
+    which let such a tree's children leave their busy holder after 1 s and recompute."""
+    policy = make_policy("predicted-ttft", seed=1)
+    prompt = BASE + "tree A " * 40
+    policy.observe(facts("seed-a", prompt), "a", 0.0)
+    child = QueueEntry(facts=RequestFacts(request_id="c", model="m", prompt=prompt + "child"), enqueued_at=0.0, seq=0)
+    lengths = LengthModel(prior_tokens=256.0)
+    s = AffinityScheduler(AffinityConfig(hold_s=1.0, hold_per_token_s=0.05), policy.prefix_memory, lengths)
+    s.order([child, entry("other", "Unrelated question " * 30, 0.0, 1)], 0.0, {"b"})  # at the front from 0
+    assert s.hold(child, 12.7, free={"b"}, live={"a", "b"})  # nothing learned: the prior's 256 x 0.05 s
+    assert not s.hold(child, 12.9, free={"b"}, live={"a", "b"})
+    for i in range(32):  # answers like it are 60 tokens long
+        lengths.observe(RequestFacts(request_id=f"r{i}", model="m", prompt_tokens=child.facts.prompt_tokens), 60)
+    assert s.expected_output(child.facts) == pytest.approx(60, rel=0.05)
+    assert s.hold(child, 2.9, free={"b"}, live={"a", "b"})
+    assert not s.hold(child, 3.2, free={"b"}, live={"a", "b"})  # 60 x 0.05 s
+    declared = QueueEntry(facts=RequestFacts(request_id="d", model="m", prompt=prompt + "child", max_tokens=8),
+                          enqueued_at=0.0, seq=2)
+    assert s.expected_output(declared.facts) is None  # a declared max_tokens is the client's word
+    assert AffinityScheduler(AffinityConfig(), policy.prefix_memory).expected_output(child.facts) is None

@@ -48,7 +48,8 @@ def router_with_root_in(region: str, prompt_tokens: int = 850) -> PeerRouter:
 
 
 def child(rid: str) -> RequestFacts:
-    return RequestFacts(rid, "m", prompt=CONTEXT + f" thought {rid}", prompt_tokens=1000)
+    """A tree's next call: a short thought (16 tokens: the hold is the 1 s floor)."""
+    return RequestFacts(rid, "m", prompt=CONTEXT + f" thought {rid}", prompt_tokens=1000, max_tokens=16)
 
 
 def other(rid: str) -> RequestFacts:
