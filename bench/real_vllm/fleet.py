@@ -18,7 +18,8 @@ interleaved. The environment picks the engines' working point and the systems:
 or cap is what makes engines queue, the only place selective pushing can differ from blind.
 `LB_BEFORE` (another checkout of lb) adds the system "lb before", interleaved with this one on
 the same engines: an A/B of a change. `WORKLOAD` and `WORKLOAD_PARAMS` pick the clients'
-workload (`lb-bench run --workload/--param`); in `emu` mode `EMU_PROFILE` picks the engine model
+workload (`lb-bench run --workload/--param`) and `MAX_TOKENS` what its clients declare as
+max_tokens (`--max-tokens`: exact, none or N); in `emu` mode `EMU_PROFILE` picks the engine model
 and `EMU_SPEED` runs the emulators, an open-loop replay and lb's engine-time constants that many
 times faster; `LB_CONFIG` is a config file every lb system starts with.
 
@@ -37,6 +38,7 @@ import time
 import urllib.request
 
 from bench.fleet import free_port, wait_http
+from bench.workloads.base import EXACT, check_max_tokens
 from lb.core.loadparse import prometheus_values
 
 MODE = MODEL = OUT = LOGS = None
@@ -69,6 +71,11 @@ LB_BEFORE = os.environ.get("LB_BEFORE") or None
 WORKLOAD = os.environ.get("WORKLOAD") or "tot"  # any of `lb-bench run --workload`'s
 # its parameters, `lb-bench run --param`'s KEY=VALUE, space-separated (e.g. total_rps=4.17)
 WORKLOAD_PARAMS = (os.environ.get("WORKLOAD_PARAMS") or "").split()
+# what the clients declare as max_tokens (`lb-bench run --max-tokens`): exact, none or N
+try:
+    MAX_TOKENS = check_max_tokens(os.environ.get("MAX_TOKENS") or EXACT)
+except ValueError as exc:
+    raise SystemExit(f"MAX_TOKENS: {exc}") from None
 # `emu` mode: the emulators run this many times faster than the hardware they model, and so do an
 # open-loop replay and every `lb` time constant (bench.systems.engine_time_config), as the
 # `compare-*` scenarios run them
@@ -239,7 +246,7 @@ def run_one(system, rnd):
     t0 = time.time()
     r = subprocess.run([PY, "-m", "bench.cli", "run", *target, "--workload", WORKLOAD, "--clients", str(CLIENTS),
                         "--duration", str(DURATION), "--seed", "0", "--out", str(rep),
-                        *[a for kv in WORKLOAD_PARAMS for a in ("--param", kv)],
+                        *[a for kv in WORKLOAD_PARAMS for a in ("--param", kv)], "--max-tokens", str(MAX_TOKENS),
                         *(["--time-scale", str(EMU_SPEED)] if EMU_SPEED != 1 else [])],
                        capture_output=True, text=True)
     s.stop.set(); s.join()
@@ -264,7 +271,8 @@ def run_one(system, rnd):
            "ttft_p50_ms": d["ttft_s"]["p50"] * 1e3, "ttft_p90_ms": d["ttft_s"]["p90"] * 1e3,
            "e2e_p50_s": d["e2e_s"]["p50"], "client_cached_ratio": d["cached_token_ratio"],
            "engine_hit_ratio": (after["hits"] - before["hits"]) / q if q else None,
-           "preemptions": after["preemptions"] - before["preemptions"], **s.summary()}
+           "preemptions": after["preemptions"] - before["preemptions"], "max_tokens": d.get("max_tokens"),
+           **s.summary()}
     if cpu_before is not None and cpu_after is not None:  # the router's own CPU over the run
         row["router_cpu_share"] = (cpu_after - cpu_before) / row["wall_s"]
     # how long requests waited in lb's own queue (SP-P holds them there instead of in the engines)

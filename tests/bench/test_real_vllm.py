@@ -49,6 +49,9 @@ def test_fleet_harness_runs_the_systems_named_at_the_engines_working_point_named
     bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
                          capture_output=True, text=True, timeout=30, env={**env, "MAX_NUM_SEQS": "eight"})
     assert bad.returncode != 0 and "MAX_NUM_SEQS: must be a positive int, got 'eight'" in bad.stderr, bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path / "bad"), "1", "1"],
+                         capture_output=True, text=True, timeout=30, env={**env, "MAX_TOKENS": "lots"})
+    assert bad.returncode != 0 and "MAX_TOKENS: max_tokens: give exact, none" in bad.stderr, bad.stderr
 
 
 def _cached(url: str, prompt: str) -> int:
@@ -80,7 +83,7 @@ def test_fleet_harness_ab_tests_another_checkout_on_any_workload_at_a_speed_up(t
     open-loop replay and lb's engine-time constants that many times faster."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "CLIENTS": "4", "SYSTEMS": "lb,lb before", "LB_BEFORE": root, "WORKLOAD": "shared-prefix",
-           "WORKLOAD_PARAMS": "total_rps=2", "EMU_SPEED": "4", "EMU_PROFILE": "h100-llama3-8b"}
+           "WORKLOAD_PARAMS": "total_rps=2", "EMU_SPEED": "4", "EMU_PROFILE": "h100-llama3-8b", "MAX_TOKENS": "none"}
     r = subprocess.run([sys.executable, "-m", "bench.real_vllm.fleet", "emu", "-", str(tmp_path), "1", "2"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -88,6 +91,7 @@ def test_fleet_harness_ab_tests_another_checkout_on_any_workload_at_a_speed_up(t
     assert [row["system"] for row in rows] == ["lb", "lb before"]
     for row in rows:
         assert row["ok"] > 0 and row["errors"] == 0, row
+        assert row["max_tokens"] == "none", row  # the clients declared none (MAX_TOKENS)
         # what one probe took, and the router's own CPU over the run
         assert row["lb_probe_mean_ms"] > 0 and 0 < row["router_cpu_share"] < 2, row
     assert "interval_s = 0.025" in (tmp_path / "lb-engine-time.toml").read_text()  # lb's 100 ms probe / 4
