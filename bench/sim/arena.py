@@ -107,6 +107,7 @@ class Call:
     stage: int | None = None
     final: bool = False
     tier: Tier = Tier.IW_N
+    app: str | None = None  # the X-LB-App header live clients send (bench.workloads.base.RequestSpec.app)
 
 
 class PeerFront:
@@ -286,7 +287,7 @@ class Arena:
                                                                 self.limit - len(call.tokens)),
                                  arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
-                                 final_call=call.final, tier=call.tier, stream=self.stream)
+                                 final_call=call.final, tier=call.tier, stream=self.stream, app=call.app)
         if isinstance(front, PeerFront):
             front.arrive(req, call)
             return

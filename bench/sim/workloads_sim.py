@@ -139,7 +139,8 @@ def mooncake_calls(seed: int) -> Iterator[Timed]:
                     break
                 tokens.extend(range((h + 1) << 20, ((h + 1) << 20) + block))
             yield Timed(at, Call(f"mooncake-{lap}-{i}", "local", tokens[:n],
-                                 max(1, round(row.output_length * MOONCAKE_SIZE_SCALE)), user="mooncake"))
+                                 max(1, round(row.output_length * MOONCAKE_SIZE_SCALE)), user="mooncake",
+                                 app="mooncake"))
 
 
 @functools.cache
@@ -198,7 +199,7 @@ def prefixed_calls(seed: int, name: str, ids: str, lengths: list[int], weights: 
         prefix = (1 << 48) + (k << 20)  # token ranges apart from the questions'
         question = (i + 1) << 12
         tokens = [*range(prefix, prefix + lengths[k]), *range(question, question + question_tokens)]
-        yield Timed(t, Call(f"{ids}-{i}", "local", tokens, output_tokens))
+        yield Timed(t, Call(f"{ids}-{i}", "local", tokens, output_tokens, app=name))
 
 
 def shared_prefix_calls(seed: int) -> Iterator[Timed]:
