@@ -374,7 +374,7 @@ class Engine:
         # neither is drawn (the simulator), and hashing a long prompt is not free
         draw = (self.seed, tuple(req.prompt_tokens)) if req.sample_key is None else \
             (self.seed, tuple(req.prompt_tokens), req.sample_key)
-        rng = random.Random(hash(draw)) if self.token_ids or not req.ignore_eos else None
+        rng = random.Random(hash(draw)) if self.token_ids or not (req.ignore_eos or req.min_new_tokens) else None
         if req.ignore_eos:
             target = req.max_new_tokens
         elif req.min_new_tokens:

@@ -279,10 +279,18 @@ class SimReplica:
         req.served_region = self.region
         self._before_change(now)
         self._catch_up(now)
-        self.engine.submit(EngineRequest(req.id, req.prompt, req.output_tokens, ignore_eos=True, arrival=now,
-                                         unique_prompt=req.unique_prompt,
+        # What the client declared is what the engine gets, as live: an answer's exact length
+        # (ignore_eos), or else a cap (the context's room when none) and the length as
+        # min_tokens: engines reserve decode room by the cap (bench.workloads.base.EXACT)
+        declared = req.facts.max_tokens if req.facts is not None else req.output_tokens
+        exact = declared == req.output_tokens
+        self.engine.submit(EngineRequest(req.id, req.prompt,
+                                         req.output_tokens if exact else
+                                         declared or self.engine.max_request_tokens() - len(req.prompt),
+                                         ignore_eos=exact, arrival=now, unique_prompt=req.unique_prompt,
                                          # a unique prompt's answer is never sent back: no draw to make
-                                         sample_key=None if req.unique_prompt else answer_key(req.id)), now)
+                                         sample_key=None if req.unique_prompt else answer_key(req.id),
+                                         min_new_tokens=0 if exact else req.output_tokens), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:

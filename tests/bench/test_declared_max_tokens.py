@@ -74,7 +74,7 @@ def test_through_lb_undeclared_answers_end_where_the_workload_says(tmp_path):
 
 @pytest.mark.parametrize("mode", [UNDECLARED, 4096])
 def test_the_simulated_scheduler_sees_only_what_was_declared(mode):
-    seen = {}
+    seen, engines = {}, {}
 
     def run(declared):
         arena = Arena(get("tot").fleet, "lb", seed=0, max_tokens=declared)
@@ -86,6 +86,15 @@ def test_the_simulated_scheduler_sees_only_what_was_declared(mode):
             return arrive(req, *rest)
 
         front.arrive = spy
+        for rep in arena.replicas:  # what each engine is asked for, as live: the cap declared, the length as min_tokens
+            submit = rep.engine.submit
+
+            def engine_spy(er, now, submit=submit):
+                engines.setdefault(declared, []).append((er.max_new_tokens, er.min_new_tokens, er.ignore_eos,
+                                                         len(er.prompt_tokens)))
+                return submit(er, now)
+
+            rep.engine.submit = engine_spy
         get("tot").drive(arena, seed=0, rate_rps=20.0, stop_at=20.0)
         arena.loop.run(20.0)
         return {r.request_id: r.output_tokens for r in as_records(arena.done)}
@@ -96,6 +105,10 @@ def test_the_simulated_scheduler_sees_only_what_was_declared(mode):
     assert all(declared == output for declared, output, _ in seen[EXACT])
     for declared, output, prompt in seen[mode]:
         assert declared == (None if mode == UNDECLARED else min(4096, arena_limit() - prompt))
+    assert all(ignore and minimum == 0 for _, minimum, ignore, _ in engines[EXACT])
+    for cap, minimum, ignore, prompt in engines[mode]:
+        room = arena_limit() - prompt  # an undeclared request may run to the end of the context
+        assert not ignore and 1 <= minimum <= cap == (room if mode == UNDECLARED else min(4096, room)), (cap, prompt)
 
 
 def arena_limit() -> int:
