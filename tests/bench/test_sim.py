@@ -87,7 +87,7 @@ def _simulated(profile: str, work) -> dict[str, tuple[float, float, int]]:
     lb.completed = completed
     for i, (t, n, out) in enumerate(work):
         req = SimRequest(f"r{i}", "local", "m", "t", t, _prompt(i, n), out)
-        req.facts = RequestFacts(request_id=req.id, model="m", arrival=t)
+        req.facts = RequestFacts(request_id=req.id, model="m", arrival=t, max_tokens=out)  # declared exactly, as the reference
         sim.loop.at(t, lb.arrive, req)
     sim.loop.run(10_000.0)
     assert rep.engine.collapsed_steps > len(work) // 2  # the fast path really ran
