@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         max_tokens = check_max_tokens(getattr(args, "max_tokens", EXACT))
     except ValueError as exc:
-        raise SystemExit(f"--{exc}") from None
+        raise SystemExit(f"--max-tokens: {str(exc).removeprefix('max_tokens: ')}") from None
     names = chosen_systems(getattr(args, "systems", None))
     lb_file = None
     if getattr(args, "lb_config", None):

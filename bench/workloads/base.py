@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -26,55 +27,6 @@ H_FINAL = "X-LB-Final-Call"
 H_TIER = "X-LB-Tier"
 H_RESIDENCY = "X-LB-Residency"
 H_REQUEST_ID = "X-Request-Id"
-
-
-@dataclass
-class RequestSpec:
-    """One request to send: chat messages, output length, and who it belongs to."""
-
-    request_id: str
-    messages: list[dict]
-    max_tokens: int
-    ignore_eos: bool = True  # the workload dictates the output length
-    user: str | None = None
-    session: str | None = None
-    app: str | None = None
-    interaction_id: str | None = None
-    stage: int | None = None
-    final: bool | None = None
-    tier: str | None = None  # iw-f | iw-n | niw
-    residency: str | None = None
-    at: float = 0.0  # open loop: arrival, seconds from the start of the replay (unscaled)
-    delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
-    meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
-
-    def headers(self) -> dict[str, str]:
-        pairs = {H_REQUEST_ID: self.request_id, H_USER: self.user, H_SESSION: self.session,
-                 H_APP: self.app, H_INTERACTION: self.interaction_id, H_TIER: self.tier,
-                 H_RESIDENCY: self.residency,
-                 H_STAGE: None if self.stage is None else str(self.stage),
-                 H_FINAL: None if self.final is None else ("1" if self.final else "0")}
-        return {k: v for k, v in pairs.items() if v is not None}
-
-    def body(self, model: str, declared: str | int = "exact") -> dict:
-        """The request's JSON; `declared`: what the client declares as max_tokens (EXACT below).
-        Not declared exactly, the answer's length goes as `min_tokens` instead, which engines
-        accept and the emulator ends its answer at (bench.engine.EngineRequest.min_new_tokens)."""
-        body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if self.ignore_eos and declared != EXACT:
-            del body["max_tokens"]
-            if declared != UNDECLARED:
-                body["max_tokens"] = max(self.max_tokens, int(declared))
-            body["min_tokens"] = self.max_tokens
-        elif self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.user:
-            body["user"] = self.user
-        return body
-
-    def prompt_text(self) -> str:
-        return "".join(m["content"] for m in self.messages)
 
 
 # What a client declares as `max_tokens`. A workload dictates each answer's length, and by
@@ -107,6 +59,58 @@ def declared_max_tokens(mode: str | int, output_tokens: int, room: int) -> int |
     if mode == UNDECLARED:
         return None
     return max(output_tokens, min(int(mode), room))
+
+
+@dataclass
+class RequestSpec:
+    """One request to send: chat messages, output length, and who it belongs to."""
+
+    request_id: str
+    messages: list[dict]
+    max_tokens: int
+    ignore_eos: bool = True  # the workload dictates the output length
+    user: str | None = None
+    session: str | None = None
+    app: str | None = None
+    interaction_id: str | None = None
+    stage: int | None = None
+    final: bool | None = None
+    tier: str | None = None  # iw-f | iw-n | niw
+    residency: str | None = None
+    at: float = 0.0  # open loop: arrival, seconds from the start of the replay (unscaled)
+    delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
+    meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
+
+    def headers(self) -> dict[str, str]:
+        pairs = {H_REQUEST_ID: self.request_id, H_USER: self.user, H_SESSION: self.session,
+                 H_APP: self.app, H_INTERACTION: self.interaction_id, H_TIER: self.tier,
+                 H_RESIDENCY: self.residency,
+                 H_STAGE: None if self.stage is None else str(self.stage),
+                 H_FINAL: None if self.final is None else ("1" if self.final else "0")}
+        return {k: v for k, v in pairs.items() if v is not None}
+
+    def body(self, model: str, declared: str | int = EXACT) -> dict:
+        """The request's JSON; `declared`: what the client declares as max_tokens (EXACT below).
+        Not declared exactly, the answer's length goes as `min_tokens` instead, which engines
+        accept and the emulator ends its answer at (bench.engine.EngineRequest.min_new_tokens)."""
+        body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos and declared != EXACT:
+            # the live client does not tokenize: a cap is kept to the context by whoever picks it
+            cap = declared_max_tokens(declared, self.max_tokens, room=sys.maxsize)
+            if cap is None:
+                del body["max_tokens"]
+            else:
+                body["max_tokens"] = cap
+            body["min_tokens"] = self.max_tokens
+        elif self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.user:
+            body["user"] = self.user
+        return body
+
+    def prompt_text(self) -> str:
+        return "".join(m["content"] for m in self.messages)
 
 
 class Program(Protocol):

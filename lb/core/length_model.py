@@ -80,6 +80,11 @@ def prompt_bucket(prompt_tokens: int) -> int:
     return min(20, int(math.log2(max(1, prompt_tokens))))
 
 
+def _cap(facts: RequestFacts) -> float:
+    """What the request's max_tokens allows (no cap when it declares none)."""
+    return float(facts.max_tokens) if facts.max_tokens else math.inf
+
+
 class LengthModel:
     """Online output-length predictor keyed on cheap request features."""
 
@@ -111,7 +116,7 @@ class LengthModel:
 
     def predict(self, facts: RequestFacts) -> LengthPrediction:
         level, sk = self.sketch_for(facts)
-        cap = float(facts.max_tokens) if facts.max_tokens else math.inf
+        cap = _cap(facts)
         if sk is None:
             guess = min(self.prior_tokens, cap)
             return LengthPrediction(guess, guess, guess, level)
@@ -121,14 +126,14 @@ class LengthModel:
     def expected(self, facts: RequestFacts) -> float:
         """`predict(facts).expected` alone, without the quantiles' sort (a scheduling pass asks)."""
         _, sk = self.sketch_for(facts)
-        cap = float(facts.max_tokens) if facts.max_tokens else math.inf
+        cap = _cap(facts)
         return min(sk.mean() if sk is not None else self.prior_tokens, cap)
 
     def refine(self, facts: RequestFacts, generated: int) -> float:
         """A new total-length guess for a request that has already produced `generated`
         tokens, at or past its prediction: the learned mean of lengths beyond that point."""
         _, sk = self.sketch_for(facts)
-        cap = float(facts.max_tokens) if facts.max_tokens else math.inf
+        cap = _cap(facts)
         beyond = sk.mean_above(generated) if sk is not None else None
         guess = beyond if beyond is not None else generated * 1.5 + 16
         return max(generated + 1.0, min(guess, cap))

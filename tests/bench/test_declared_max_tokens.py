@@ -113,3 +113,9 @@ def test_the_simulated_scheduler_sees_only_what_was_declared(mode):
 
 def arena_limit() -> int:
     return Arena(get("tot").fleet, "lb", seed=0).limit
+
+
+def test_sim_compare_names_the_flag_for_a_bad_declaration(tmp_path):
+    bad = subprocess.run(lb_bench("sim-compare", "tot", "--max-tokens", "lots", "--out", str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--max-tokens: give exact, none or a positive number" in bad.stderr, bad.stderr
