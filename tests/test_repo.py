@@ -49,16 +49,23 @@ def test_licence_and_version_come_from_pyproject():
 
 def test_ci_run_passes_its_arguments_to_pytest(tmp_path):
     # .ci/run and scripts/test.sh as they are; the installer stubbed (it would apt-get and pip
-    # install), and a python that prints the arguments it was given.
+    # install), and a python that prints the arguments it was given (and has pytest-xdist when
+    # XDIST says so: `python -c "import xdist"` succeeds).
     for rel in (".ci/run", "scripts/test.sh"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text((REPO / rel).read_text())
     (tmp_path / "scripts/install-deps.sh").write_text("true\n")
     python = tmp_path / ".venv/bin/python"
     python.parent.mkdir(parents=True)
-    python.write_text('#!/bin/sh\necho "python $*"\n')
+    python.write_text('#!/bin/sh\nif [ "$1" = -c ]; then [ "$XDIST" = 1 ]; exit $?; fi\necho "python $*"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    done = subprocess.run(["bash", str(tmp_path / ".ci/run"), "tests/core", "-x"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "python -m pytest -q -p no:cacheprovider tests/core -x"
+
+    def ci_run(**env) -> str:
+        done = subprocess.run(["bash", str(tmp_path / ".ci/run"), "tests/core", "-x"], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "LB_TEST_WORKERS": "", **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert ci_run(XDIST="1") == "python -m pytest -q -p no:cacheprovider -n 2 tests/core -x"
+    assert ci_run(XDIST="1", LB_TEST_WORKERS="0") == "python -m pytest -q -p no:cacheprovider -n 0 tests/core -x"
+    assert ci_run(XDIST="0") == "python -m pytest -q -p no:cacheprovider tests/core -x"
