@@ -199,7 +199,20 @@ class AffinityScheduler:
         if front_wait(entry, now) >= cfg.hold_bound(entry.facts, memory.decode_step_s(), self.expected_output(entry.facts)):
             return False
         depth_all, blocks, holders = memory.affinity(entry.facts, live)
-        if not blocks or depth_all < cfg.min_gain * blocks or not set(holders).isdisjoint(free):
+        if not blocks or not set(holders).isdisjoint(free):
+            return False
+        depth_all += self._answer_blocks(entry.facts, holders, depth_all, blocks)
+        if depth_all < cfg.min_gain * blocks:
             return False
         depth_free, _, _ = memory.affinity(entry.facts, free)
         return depth_all - depth_free >= cfg.min_gain * blocks
+
+    def _answer_blocks(self, facts: RequestFacts, holders: list[str], depth: int, blocks: int) -> float:
+        """The prompt blocks past the trie's match that a holder also has: the answer it gave
+        right where the match ends, which `facts` continues (a conversation's next turn carries
+        the last answer and a short new message; the trie, holding prompts, matched only the
+        last prompt, often under `min_gain` of this one, and the turn left its history)."""
+        tokens = max((self.memory.answer_after(facts, h, depth) for h in holders), default=0)
+        if not tokens:
+            return 0.0
+        return min(blocks - depth, tokens * blocks / max(1, facts.prompt_tokens))

@@ -7,7 +7,9 @@ For each eligible replica the scorer estimates what placing the request there co
 the request's TTFT there plus the delay it adds to the requests already running there.
 
 - `uncached(r)`: the prompt tokens `r` would not find cached — the prompt minus the prefix
-  the trie says `r` holds (the prefix trie is the cache estimate).
+  the trie says `r` holds (the prefix trie is the cache estimate), and minus the answer `r`
+  gave right where that prefix ends when this request waited for `r` to continue it (a
+  conversation's next turn held for its busy holder: `lb.core.affinity`, `PrefixTrie.answer_after`).
 - `ahead(r)`: prefill work in front of it (`PredictedTtftScorer.ahead`): the uncached
   tokens of this LB's pushes to `r` with no first token back yet (a non-streamed one: until
   its predicted TTFT) (`view.prefill_ahead`, from `lb.core.backlog`: it sees requests the
@@ -226,7 +228,12 @@ class PredictedTtftScorer(TrieMemory):  # a scorer part of lb.core.policies.Comp
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         prompt = max(1, req.prompt_tokens)
         self._depths = depths = self.trie.depths(chain, [v.id for v in candidates])
-        uncached = [uncached_tokens(prompt, depths[v.id], len(chain)) for v in candidates]
+        # less an answer a candidate gave where its match ends that this request waited for
+        # (the hold claimed it: lb.core.affinity); counted for every request that continues an
+        # answer, a tree's first children stayed on their busy holders: Mixed Tree's p90 +6 % at
+        # 0.7-0.9x capacity in the simulator, against none with the hold alone
+        uncached = [max(0.0, uncached_tokens(prompt, depths[v.id], len(chain))
+                        - self.answer_after(req, v.id, depths[v.id], claim=False)) for v in candidates]
         work = [self.ahead(v, prompt) + u for v, u in zip(candidates, uncached)]
         self._last = {v.id: w for v, w in zip(candidates, work)}
         self._last_uncached = {v.id: u for v, u in zip(candidates, uncached)}

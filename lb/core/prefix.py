@@ -32,6 +32,8 @@ from lb.core.types import RequestFacts
 # 32 tokens of match granularity is noise next to the prompts routing cares about.
 DEFAULT_BLOCK_CHARS = 128
 DEFAULT_MAX_NODES = 100_000
+# Answers remembered where they ended (`PrefixTrie.answered`): a bounded record, oldest dropped.
+MAX_ANSWERS = 65_536
 # Characters per token where the LB has no tokenizer (its prompt size estimate, and the
 # blocks an engine's KV capacity in tokens amounts to): about 4 in English text.
 CHARS_PER_TOKEN = 4
@@ -122,6 +124,10 @@ class PrefixTrie:
         # least recently used first go, as the engine evicts them (chain hashes in use order).
         self._cap: dict[str, int] = {}
         self._lru: dict[str, OrderedDict[bytes, None]] = {}
+        # (target, the last block of a prompt it answered) → [the answer's tokens, the request that
+        # claimed it]: the engine holds that answer after the prompt, which the blocks above
+        # (prompts only) do not show
+        self._answers: OrderedDict[tuple[str, bytes], list] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -251,8 +257,37 @@ class PrefixTrie:
             if self._held[target] <= 0:
                 del self._held[target]
 
+    def answered(self, target: str, end: bytes, tokens: int) -> None:
+        """`target` answered, with `tokens` tokens, a prompt whose last block is `end`."""
+        key = (target, end)
+        self._answers[key] = [tokens, None]
+        self._answers.move_to_end(key)
+        while len(self._answers) > MAX_ANSWERS:
+            self._answers.popitem(last=False)
+
+    def answer_after(self, target: str, end: bytes, by: str, *, claim: bool = True, take: bool = False) -> int:
+        """The tokens of the answer `target` gave after the prompt ending in block `end`, for
+        request `by`: 0 when none is recorded or another request claimed it. One request
+        continues an answer: a conversation's next turn, or the first of a tree's children to
+        claim it (its siblings weigh the holder by its prompts alone, so a fan-out still
+        spreads). `claim`: an unclaimed record becomes `by`'s (without it, only a record `by`
+        already claimed counts). `take`: `by` was placed there, the record is spent."""
+        key = (target, end)
+        record = self._answers.get(key)
+        if record is None:
+            return 0
+        if record[1] is None and claim:
+            record[1] = by
+        if record[1] != by:
+            return 0
+        if take:
+            del self._answers[key]
+        return record[0]
+
     def forget(self, target: str) -> None:
         """Remove `target` everywhere (O(nodes): targets leave rarely). Empty nodes go too."""
+        for key in [k for k in self._answers if k[0] == target]:
+            del self._answers[key]
         self._lru.pop(target, None)
         self._cap.pop(target, None)
         if target not in self._held:
@@ -307,6 +342,23 @@ class TrieMemory:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         depth, holders = self.trie.match(chain, targets)
         return depth, len(chain), holders
+
+    def answered(self, req: RequestFacts, target_id: str, output_tokens: int) -> None:
+        """`target_id` answered `req` with `output_tokens` tokens: its engine now holds them after
+        the prompt, where a conversation's next turn (or a tree's child) continues."""
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        if chain and output_tokens > 0:
+            self.trie.answered(target_id, chain[-1], output_tokens)
+
+    def answer_after(self, req: RequestFacts, target_id: str, depth: int, *, claim: bool = True,
+                     take: bool = False) -> int:
+        """Tokens of an answer `target_id` gave right where `req`'s match there ends (`depth`
+        blocks): `req` continues that answer, which the engine holds beyond the matched blocks
+        (0 when another request claimed it first; `claim` and `take` as `PrefixTrie.answer_after`)."""
+        if depth <= 0:
+            return 0
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        return self.trie.answer_after(target_id, chain[depth - 1], req.request_id, claim=claim, take=take) if depth <= len(chain) else 0
 
     def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float) -> None:
         """`target_id`'s engine holds `kv_tokens` of KV in all (its probes say): remember no

@@ -266,6 +266,8 @@ class Scheduler:
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
         if output_tokens >= 1:
             self.affinity.lengths.observe(facts, output_tokens)
+            if self.affinity.memory is not None:
+                self.affinity.memory.answered(facts, target_id, output_tokens)
         if prompt_tokens and facts.prompt and self.affinity.memory is not None:  # only a trie uses it
             self.bytes_per_token.observe(prompt_bytes(facts), prompt_tokens)
 
@@ -472,6 +474,8 @@ class Scheduler:
             memory.cache_size(target.view.id, target.view.kv_total_tokens, self.bytes_per_token.value())
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
+        if memory is not None:  # an answer it continues there is spent: its siblings find it no more
+            memory.answer_after(facts, target.view.id, d.matched_blocks, take=True)
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
                          d.matched_blocks, d.total_blocks, d.best_blocks)
 

@@ -86,3 +86,52 @@ def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path,
         assert served_by == holder  # waited for its cache rather than recomputing elsewhere
     else:
         assert served_by != holder  # no hold: the idle replica takes it at once
+
+
+async def conversation(lb_url: str, emu_urls: dict[str, str]) -> tuple[str, str, dict]:
+    """(holder of the first turn, where the second ran, the second's prompt size in blocks and
+    the first's) with the holder's queue full when the second turn comes."""
+    question = [{"role": "user", "content": "Plan a week in Lisbon for a family of four. " * 6}]
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "m", "messages": question, "max_tokens": 300, "ignore_eos": True}
+        async with s.post(lb_url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            holder, answer = r.headers["X-LB-Replica"], (await r.json())["choices"][0]["message"]["content"]
+        fillers = [asyncio.ensure_future(post(s, emu_urls[holder], f"{i} {FILLER}", 200)) for i in range(16)]
+        deadline = time.monotonic() + 10
+        while not await lb_sees_pending(s, lb_url, holder):
+            assert time.monotonic() < deadline, "the LB never saw the holder's queue"
+            await asyncio.sleep(0.005)
+        second = question + [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": "Now only the rainy days."}]
+        body = {"model": "m", "messages": second, "max_tokens": 1, "ignore_eos": True}
+        async with s.post(lb_url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            served_by = r.headers["X-LB-Replica"]
+        await asyncio.gather(*fillers)
+        return holder, served_by, {"question_chars": len(question[0]["content"]), "answer_chars": len(answer)}
+
+
+def test_a_conversations_next_turn_waits_for_the_replica_holding_its_last_answer(tmp_path):
+    """The second turn is mostly the first turn's answer, which the prefix trie (prompts only)
+    does not hold: it matched under `min_gain` of the prompt there and the turn went to the idle
+    replica, recomputing its history. lb records where each answer ended, so it waits for it and
+    then goes there, though the holder still runs a batch of 16."""
+    emus = [start_emulator("--speed", "1", name=f"emu{i}") for i in range(2)]
+    urls = {u.removeprefix("http://"): u for _, u in emus}
+    cfg = tmp_path / "lb.toml"
+    cfg.write_text("[probes]\ninterval_s = 0.02\n[affinity]\nhold_s = 30.0\nmax_bypass_s = 60.0\n")
+    d = start_lb(*[a for u in urls.values() for a in ("--replica", u)], "--engine", "sglang",
+                 "--pushing", "sp-pending", config=cfg)
+    try:
+        holder, served_by, sizes = asyncio.run(asyncio.wait_for(conversation(d.url, urls), 90))
+    finally:
+        d.proc.stop()
+        access = [json.loads(x) for x in d.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
+        for p, _ in emus:
+            p.stop()
+    second = access[-1]
+    print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
+    # what the trie alone knows of the holder is under half the prompt (min_gain): the answer is the rest
+    assert second["matched_blocks"] < 0.5 * second["prompt_blocks"], second
+    assert served_by == holder
