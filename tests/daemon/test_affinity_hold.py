@@ -59,21 +59,28 @@ async def scenario(lb_url: str, emu_urls: dict[str, str]) -> tuple[str, str, flo
         return holder, served_by, took
 
 
-@pytest.mark.parametrize("hold_s", [30.0, 0.0])  # 30 s: far longer than the fillers take (~2 s)
-def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path, hold_s):
+def two_replicas_behind_lb(tmp_path, hold_s: float, run, *lb_args: str) -> tuple[tuple, list[dict]]:
+    """`run(lb_url, {replica: emulator url})` against a real lb (SP-P, SGLang faces, probes every
+    20 ms) over two emulators; its result and lb's access log."""
     emus = [start_emulator("--speed", "1", name=f"emu{i}") for i in range(2)]
     urls = {u.removeprefix("http://"): u for _, u in emus}
     cfg = tmp_path / "lb.toml"
     cfg.write_text(f"[probes]\ninterval_s = 0.02\n[affinity]\nhold_s = {hold_s}\nmax_bypass_s = 60.0\n")
     d = start_lb(*[a for u in urls.values() for a in ("--replica", u)], "--engine", "sglang",
-                 "--pushing", "sp-pending", "--policy", "prefix-trie", config=cfg)
+                 "--pushing", "sp-pending", *lb_args, config=cfg)
     try:
-        holder, served_by, took = asyncio.run(asyncio.wait_for(scenario(d.url, urls), 90))
+        result = asyncio.run(asyncio.wait_for(run(d.url, urls), 90))
     finally:
         d.proc.stop()
         access = [json.loads(x) for x in d.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
         for p, _ in emus:
             p.stop()
+    return result, access
+
+
+@pytest.mark.parametrize("hold_s", [30.0, 0.0])  # 30 s: far longer than the fillers take (~2 s)
+def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path, hold_s):
+    (holder, served_by, took), access = two_replicas_behind_lb(tmp_path, hold_s, scenario, "--policy", "prefix-trie")
     print(f"hold_s={hold_s}: holder {holder}, follow-up on {served_by} after {took * 1000:.0f} ms")
     # the access log says why: the follow-up (the last request through lb) was placed on its
     # prefix, on the holder it waited for
@@ -117,19 +124,7 @@ def test_a_conversations_next_turn_waits_for_the_replica_holding_its_last_answer
     does not hold: it matched under `min_gain` of the prompt there and the turn went to the idle
     replica, recomputing its history. lb records where each answer ended, so it waits for it and
     then goes there, though the holder still runs a batch of 16."""
-    emus = [start_emulator("--speed", "1", name=f"emu{i}") for i in range(2)]
-    urls = {u.removeprefix("http://"): u for _, u in emus}
-    cfg = tmp_path / "lb.toml"
-    cfg.write_text("[probes]\ninterval_s = 0.02\n[affinity]\nhold_s = 30.0\nmax_bypass_s = 60.0\n")
-    d = start_lb(*[a for u in urls.values() for a in ("--replica", u)], "--engine", "sglang",
-                 "--pushing", "sp-pending", config=cfg)
-    try:
-        holder, served_by, sizes = asyncio.run(asyncio.wait_for(conversation(d.url, urls), 90))
-    finally:
-        d.proc.stop()
-        access = [json.loads(x) for x in d.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
-        for p, _ in emus:
-            p.stop()
+    (holder, served_by, sizes), access = two_replicas_behind_lb(tmp_path, 30.0, conversation)  # the default policy
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
     # what the trie alone knows of the holder is under half the prompt (min_gain): the answer is the rest
