@@ -150,8 +150,10 @@ class PrefixMemory(Protocol):
     def answered(self, req: "RequestFacts", target_id: str, output_tokens: int) -> None:
         """The target answered `req` with `output_tokens` tokens (its engine holds them after the prompt)."""
 
-    def answer_after(self, req: "RequestFacts", target_id: str, depth: int, *, take: bool = False) -> int:
-        """Tokens of an answer the target gave where `req`'s `depth`-block match there ends (0: none)."""
+    def answer_after(self, req: "RequestFacts", target_id: str, depth: int, *, claim: bool = True,
+                     take: bool = False) -> int:
+        """Tokens of an answer the target gave where `req`'s `depth`-block match there ends (0:
+        none, or another request claimed it); `claim` makes an unclaimed one `req`'s, `take` spends it."""
 
     def decode_step_s(self) -> float | None:
         """The fleet's typical inter-token time as learned from its answers (None: not learned)."""
