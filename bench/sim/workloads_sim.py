@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -227,6 +228,38 @@ def doc_qa_calls(seed: int) -> Iterator[Timed]:
     return prefixed_calls(seed, "doc-qa", "docqa", lengths, weights, DOC_QA_QUESTION_TOKENS, DOC_QA_OUTPUT_TOKENS)
 
 
+# Reasoning answers: a reasoning model's traffic, decode-bound. A short prompt (one of 8 system
+# prompts of 200-1,200 tokens, Zipf-popular, then a question of its own, lognormal, median 150
+# tokens) and a long answer of heavy-tailed length (lognormal, median 700 tokens, sigma 0.9:
+# mean ~1,050, one in a hundred past 5,000), clipped to the 8k context; Poisson arrivals (open
+# loop). Synthetic, held out: added after the policy was settled (twenty-sixth session) to
+# check `lb` where the answer, not the prompt, fills the KV, no prefix is worth much, and how
+# long a request runs is unknown when it is placed.
+REASONING_SYSTEM_PROMPTS = 8
+REASONING_SYSTEM_TOKENS = (200, 1200)
+REASONING_QUESTION_MEDIAN, REASONING_QUESTION_SIGMA = 150, 0.8
+REASONING_ANSWER_MEDIAN, REASONING_ANSWER_SIGMA = 700, 0.9
+REASONING_CONTEXT = 8192  # the L4 profile's max_model_len
+
+
+def reasoning_calls(seed: int) -> Iterator[Timed]:
+    sizes = rng_for(0, "reasoning", "sizes")  # the same system prompts for every seed
+    systems = [sizes.randint(*REASONING_SYSTEM_TOKENS) for _ in range(REASONING_SYSTEM_PROMPTS)]
+    weights = [1.0 / rank for rank in range(1, REASONING_SYSTEM_PROMPTS + 1)]
+    rng = rng_for(seed, "reasoning")
+    t = 0.0
+    for i in itertools.count():
+        t += rng.expovariate(1.0)
+        k = rng.choices(range(REASONING_SYSTEM_PROMPTS), weights)[0]
+        prefix = (1 << 48) + (k << 20)
+        question = (i + 1) << 14
+        q = min(1500, max(16, round(rng.lognormvariate(math.log(REASONING_QUESTION_MEDIAN), REASONING_QUESTION_SIGMA))))
+        tokens = [*range(prefix, prefix + systems[k]), *range(question, question + q)]
+        room = REASONING_CONTEXT - len(tokens)
+        answer = min(room, max(32, round(rng.lognormvariate(math.log(REASONING_ANSWER_MEDIAN), REASONING_ANSWER_SIGMA))))
+        yield Timed(t, Call(f"reason-{i}", "local", tokens, answer, user=f"reason-{i % 64}"))
+
+
 # -- the registry -------------------------------------------------------------------------
 TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
 
@@ -263,6 +296,12 @@ register(Workload("agent", "Tool-using agent sessions, a coding agent's shape sc
                   "was settled, 4 L4 replicas",
                   ONE_REGION, "programs", duration_s=600.0, quick_duration_s=300.0,  # a session lasts ~1-2 min
                   program={"workload": "agent"}, requests_per_program=Agent().mean_steps()))
+register(Workload("reasoning", "A reasoning model's traffic: short prompts (8 system prompts of 200-1,200 tokens, "
+                  "Zipf-popular, and a question of ~150 tokens) and long heavy-tailed answers (lognormal, median "
+                  "700 tokens, mean ~1,050), Poisson arrivals (open loop); held out: added after the policy was "
+                  "settled, decode-bound, 4 L4 replicas",
+                  ONE_REGION, "replay", duration_s=600.0, quick_duration_s=300.0,  # an answer runs ~30-120 s
+                  calls=reasoning_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "

@@ -470,3 +470,64 @@ def test_a_costly_probe_is_spaced_and_late_in_the_simulator_as_in_the_daemon(mon
 
     _, _, free = probes({"kv_tokens": 4096, "decode_reserve": 0})
     assert free > 2 * len(landed)  # free probes: after every push and every answer
+
+
+def test_the_p90_counting_the_unanswered_takes_every_request_sent_at_its_wait_so_far():
+    """Past capacity a system that leaves requests waiting at the run's end looks better on the
+    answered ones alone: `Arena.waited` counts every request sent (answered: its TTFT; answering:
+    its first token's time; neither: what it has waited so far)."""
+    from bench.sim import compare
+    from bench.sim.workloads_sim import get
+
+    arena = compare.make_arena("reasoning", "sglang-router round_robin", 0)
+    get("reasoning").drive(arena, seed=0, rate_rps=6.0, stop_at=90.0)  # ~5x the fleet's capacity
+    arena.loop.run(90.0)
+    now = arena.loop.now
+    waited = arena.waited(0.0)
+    assert len(waited) == arena.sent == len(arena.done) + arena.in_flight
+    answered = sorted(d.ttft for d in arena.done)
+    assert answered and sorted(waited[:len(answered)]) == answered
+    unanswered = [now - sent for rid, (_, sent, _) in arena.callbacks.items()
+                  if (r := arena.arrived.get(rid)) is None or r.first_token is None]
+    assert len(unanswered) > 100  # far past capacity many still wait for a first token at the end
+    assert all(w in waited for w in unanswered)
+    assert max(waited) > max(answered)  # the longest waits are the unanswered ones
+    import numpy as np
+    assert np.percentile(waited, 90) > np.percentile(answered, 90)
+
+
+def test_standing_counts_the_unanswered_p90_where_the_summaries_have_it():
+    from bench.sim.compare_report import WAITED, standing, table
+
+    summary = {"systems": {
+        "lb": entry(10.0, [9.5, 10.5], 0.60, [0.55, 0.70]),
+        "llm-d default-scorers": entry(10.0, [9.5, 10.5], 0.60, [0.50, 0.65]),
+    }}
+    st = standing(summary)  # written before the figure existed: no ratio, nothing behind
+    assert st["waited"] == "-" and st["lowest_waited"] is None and st["behind"] == []
+    assert "| 0.60 [0.55, 0.70] |" not in table(summary) and "| - |" in table(summary)
+    summary["systems"]["lb"][WAITED] = {"median": 0.9, "ci95": [0.8, 1.0]}
+    summary["systems"]["llm-d default-scorers"][WAITED] = {"median": 3.0, "ci95": [2.0, 9.0]}
+    st = standing(summary)
+    assert st["waited"] == "0.30x" and st["lowest_waited"] == "llm-d default-scorers" and st["behind"] == []
+    summary["systems"]["lb"][WAITED] = {"median": 12.0, "ci95": [10.0, 14.0]}
+    assert standing(summary)["behind"] == ["TTFT p90 counting the unanswered (llm-d default-scorers)"]
+
+
+def test_the_reasoning_replay_is_decode_bound_heavy_tailed_and_fits_the_context():
+    import itertools
+    import statistics
+
+    from bench.sim.workloads_sim import REASONING_CONTEXT, WORKLOADS, reasoning_calls
+
+    assert "reasoning" in WORKLOADS
+    calls = [t.call for t in itertools.islice(reasoning_calls(0), 2000)]
+    answers = [c.output_tokens for c in calls]
+    assert all(len(c.tokens) + c.output_tokens <= REASONING_CONTEXT for c in calls)
+    assert statistics.mean(answers) > statistics.mean(len(c.tokens) for c in calls)  # the answer fills the KV
+    assert 500 < statistics.median(answers) < 900 and max(answers) > 4000  # heavy-tailed
+    # the same 8 system prompts for every seed, and another seed is another stream
+    first = {c.tokens[0] for c in calls}
+    other = [t.call for t in itertools.islice(reasoning_calls(1), 2000)]
+    assert len(first) == 8 and {c.tokens[0] for c in other} == first
+    assert [c.output_tokens for c in other[:50]] != answers[:50]
