@@ -231,7 +231,7 @@ def doc_qa_calls(seed: int) -> Iterator[Timed]:
 # Reasoning answers: a reasoning model's traffic, decode-bound. A short prompt (one of 8 system
 # prompts of 200-1,200 tokens, Zipf-popular, then a question of its own, lognormal, median 150
 # tokens) and a long answer of heavy-tailed length (lognormal, median 700 tokens, sigma 0.9:
-# mean ~1,050, one in a hundred past 5,000), clipped to the 8k context; Poisson arrivals (open
+# mean ~1,010, one in a hundred past 5,600), clipped to the 8k context; Poisson arrivals (open
 # loop). Synthetic, held out: added after the policy was settled (twenty-sixth session) to
 # check `lb` where the answer, not the prompt, fills the KV, no prefix is worth much, and how
 # long a request runs is unknown when it is placed.
@@ -298,7 +298,7 @@ register(Workload("agent", "Tool-using agent sessions, a coding agent's shape sc
                   program={"workload": "agent"}, requests_per_program=Agent().mean_steps()))
 register(Workload("reasoning", "A reasoning model's traffic: short prompts (8 system prompts of 200-1,200 tokens, "
                   "Zipf-popular, and a question of ~150 tokens) and long heavy-tailed answers (lognormal, median "
-                  "700 tokens, mean ~1,050), Poisson arrivals (open loop); held out: added after the policy was "
+                  "700 tokens, mean ~1,010), Poisson arrivals (open loop); held out: added after the policy was "
                   "settled, decode-bound, 4 L4 replicas",
                   ONE_REGION, "replay", duration_s=600.0, quick_duration_s=300.0,  # an answer runs ~30-120 s
                   calls=reasoning_calls, natural_rps=lambda: 1.0))
