@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -25,6 +24,7 @@ from bench.sim.clients import Programs, Replay, Timed
 from bench.workloads import make_workload
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
+from bench.workloads.reasoning import Reasoning
 from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
 
 ONE_REGION = FleetSpec((RegionSpec("local", 4),))
@@ -228,36 +228,16 @@ def doc_qa_calls(seed: int) -> Iterator[Timed]:
     return prefixed_calls(seed, "doc-qa", "docqa", lengths, weights, DOC_QA_QUESTION_TOKENS, DOC_QA_OUTPUT_TOKENS)
 
 
-# Reasoning answers: a reasoning model's traffic, decode-bound. A short prompt (one of 8 system
-# prompts of 200-1,200 tokens, Zipf-popular, then a question of its own, lognormal, median 150
-# tokens) and a long answer of heavy-tailed length (lognormal, median 700 tokens, sigma 0.9:
-# mean ~1,010, one in a hundred past 5,600), clipped to the 8k context; Poisson arrivals (open
-# loop). Synthetic, held out: added after the policy was settled (twenty-sixth session) to
-# check `lb` where the answer, not the prompt, fills the KV, no prefix is worth much, and how
-# long a request runs is unknown when it is placed.
-REASONING_SYSTEM_PROMPTS = 8
-REASONING_SYSTEM_TOKENS = (200, 1200)
-REASONING_QUESTION_MEDIAN, REASONING_QUESTION_SIGMA = 150, 0.8
-REASONING_ANSWER_MEDIAN, REASONING_ANSWER_SIGMA = 700, 0.9
-REASONING_CONTEXT = 8192  # the L4 profile's max_model_len
-
-
 def reasoning_calls(seed: int) -> Iterator[Timed]:
-    sizes = rng_for(0, "reasoning", "sizes")  # the same system prompts for every seed
-    systems = [sizes.randint(*REASONING_SYSTEM_TOKENS) for _ in range(REASONING_SYSTEM_PROMPTS)]
-    weights = [1.0 / rank for rank in range(1, REASONING_SYSTEM_PROMPTS + 1)]
-    rng = rng_for(seed, "reasoning")
-    t = 0.0
-    for i in itertools.count():
-        t += rng.expovariate(1.0)
-        k = rng.choices(range(REASONING_SYSTEM_PROMPTS), weights)[0]
-        prefix = (1 << 48) + (k << 20)
-        question = (i + 1) << 14
-        q = min(1500, max(16, round(rng.lognormvariate(math.log(REASONING_QUESTION_MEDIAN), REASONING_QUESTION_SIGMA))))
-        tokens = [*range(prefix, prefix + systems[k]), *range(question, question + q)]
-        room = REASONING_CONTEXT - len(tokens)
-        answer = min(room, max(32, round(rng.lognormvariate(math.log(REASONING_ANSWER_MEDIAN), REASONING_ANSWER_SIGMA))))
-        yield Timed(t, Call(f"reason-{i}", "local", tokens, answer, user=f"reason-{i % 64}"))
+    """The live `reasoning` workload's requests (bench/workloads/reasoning.py: the same draws), at
+    1 req/s before scaling; each system prompt one range of token ids, each question its own."""
+    live = Reasoning(seed=seed)
+    systems = live.system_lengths()
+    for d in live.draws():
+        prefix = (1 << 48) + (d.system << 20)  # token ranges apart from the questions'
+        question = (d.i + 1) << 14
+        tokens = [*range(prefix, prefix + systems[d.system]), *range(question, question + d.question_tokens)]
+        yield Timed(d.at, Call(f"reason-{d.i}", "local", tokens, d.answer_tokens, user=f"reason-{d.i % 64}"))
 
 
 # -- the registry -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from bench.workloads.base import ClosedLoopWorkload, OpenLoopWorkload, RequestSp
 from bench.workloads.mixed_tree import MixedTree
 from bench.workloads.mooncake import Mooncake
 from bench.workloads.multiturn import MultiTurn
+from bench.workloads.reasoning import Reasoning
 from bench.workloads.servegen import ServeGen
 from bench.workloads.shared_prefix import SharedPrefix
 from bench.workloads.tot import TreeOfThoughts
@@ -26,6 +27,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "servegen": ServeGen,
     "shared-prefix": SharedPrefix,
     "agent": Agent,
+    "reasoning": Reasoning,
 }
 
 

@@ -139,6 +139,14 @@ class OpenLoopWorkload(Protocol):
         ...
 
 
+def require_positive(workload: object, *keys: str) -> None:
+    """A ValueError naming the first of a workload's `keys` that is not > 0, with its default."""
+    for key in keys:
+        if not getattr(workload, key) > 0:
+            raise ValueError(f"{workload.name}: {key} must be > 0 (got {getattr(workload, key)!r}); "
+                             f"e.g. --param {key}={getattr(type(workload), key)}")
+
+
 def rng_for(seed: int, *key: object) -> random.Random:
     """An independent, reproducible stream per (seed, key): stable across runs and processes."""
     return random.Random("/".join(map(str, (seed, *key))))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from bench.workloads.base import RequestSpec, pseudo_text, rng_for
+from bench.workloads.base import RequestSpec, pseudo_text, require_positive, rng_for
 
 
 @dataclass
@@ -25,10 +25,7 @@ class SharedPrefix:
     name: str = "shared-prefix"
 
     def __post_init__(self) -> None:
-        for key in ("total_rps", "groups", "system_tokens", "question_tokens", "output_tokens"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"shared-prefix: {key} must be > 0 (got {getattr(self, key)!r}); "
-                                 f"e.g. --param {key}={getattr(type(self), key)}")
+        require_positive(self, "total_rps", "groups", "system_tokens", "question_tokens", "output_tokens")
 
     def arrivals(self) -> Iterator[RequestSpec]:
         rng = rng_for(self.seed, "shared-prefix")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import subprocess
 import time
@@ -184,3 +185,20 @@ def test_an_agent_step_waits_for_its_tool_run_scaled_as_the_engines_time(tmp_pat
                 assert nxt["start"] - (prev["start"] + prev["e2e"]) >= steps[k].think_s / 2 - 0.01
                 gaps += 1
     assert gaps >= 6
+
+
+def test_reasoning_answers_come_back_as_long_as_the_workload_draws_them(tmp_path, emulator):
+    """The reasoning workload against a real emulator: each answer is the drawn length."""
+    from bench.workloads.reasoning import Reasoning
+
+    params = {"system_min_tokens": 20, "system_max_tokens": 60, "question_median": 10, "answer_median": 8,
+              "context": 2000, "total_rps": 20.0}
+    records_path = tmp_path / "records.jsonl"
+    args = ["--workload", "reasoning", "--requests", "8", "--records", str(records_path)]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    report, _ = bench_run(tmp_path, emulator, *args)
+    assert report["ok"] == 8 and report["errors"] == 0
+    records = {r["request_id"]: r for r in map(json.loads, records_path.read_text().splitlines())}
+    drawn = {f"reason-0-{d.i}": d.answer_tokens for d in itertools.islice(Reasoning(**params).draws(), 8)}
+    assert {rid: r["output_tokens"] for rid, r in records.items()} == drawn

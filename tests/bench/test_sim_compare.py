@@ -518,12 +518,13 @@ def test_the_reasoning_replay_is_decode_bound_heavy_tailed_and_fits_the_context(
     import itertools
     import statistics
 
-    from bench.sim.workloads_sim import REASONING_CONTEXT, WORKLOADS, reasoning_calls
+    from bench.sim.workloads_sim import WORKLOADS, reasoning_calls
+    from bench.workloads.reasoning import Reasoning
 
     assert "reasoning" in WORKLOADS
     calls = [t.call for t in itertools.islice(reasoning_calls(0), 2000)]
     answers = [c.output_tokens for c in calls]
-    assert all(len(c.tokens) + c.output_tokens <= REASONING_CONTEXT for c in calls)
+    assert all(len(c.tokens) + c.output_tokens <= Reasoning().context for c in calls)
     assert statistics.mean(answers) > statistics.mean(len(c.tokens) for c in calls)  # the answer fills the KV
     assert 500 < statistics.median(answers) < 900 and max(answers) > 4000  # heavy-tailed
     # the same 8 system prompts for every seed, and another seed is another stream

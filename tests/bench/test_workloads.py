@@ -166,7 +166,8 @@ def test_pseudo_text_is_prefix_stable():
 def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
-    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent"}
+    assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent",
+                              "reasoning"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -238,3 +239,27 @@ def test_agent_sessions_grow_by_answer_and_observation_wait_for_the_tool_and_sto
 def test_agent_refuses_a_bad_range_or_a_cap_its_first_step_cannot_fit(param, value):
     with pytest.raises(ValueError, match=f"agent: {param}"):
         make_workload("agent", **{param: value})
+
+
+def test_reasoning_sends_what_the_simulator_sends_and_keeps_each_request_inside_the_context():
+    from bench.sim.workloads_sim import reasoning_calls
+
+    live = make_workload("reasoning", seed=2)
+    specs = list(itertools.islice(live.arrivals(), 500))
+    calls = [t.call for t in itertools.islice(reasoning_calls(2), 500)]
+    systems = live.system_lengths()
+    for spec, call in zip(specs, calls):
+        system, question = (len(m["content"].split()) for m in spec.messages)
+        assert system == systems[spec.meta["system"]]  # one text per system prompt
+        assert system + question == len(call.tokens) and spec.max_tokens == call.output_tokens
+        assert system + question + spec.max_tokens <= live.context
+    assert len({s.meta["system"] for s in specs}) == 8 and specs[-1].at > 300  # Poisson at 1 req/s
+    assert sorted(s.max_tokens for s in specs)[250] in range(500, 900)  # median answer ~700 tokens
+
+
+@pytest.mark.parametrize("params, message", [({"total_rps": 0}, "total_rps must be > 0"),
+                                             ({"system_max_tokens": 100}, "system_max_tokens must be >= system_min_tokens"),
+                                             ({"context": 1000}, "context must hold the longest prompt")])
+def test_reasoning_refuses_a_bad_parameter_by_name(params, message):
+    with pytest.raises(ValueError, match=f"reasoning: {message}"):
+        make_workload("reasoning", **params)
