@@ -197,10 +197,16 @@ def prefixed_calls(seed: int, name: str, ids: str, lengths: list[int], weights: 
     for i in itertools.count():
         t += rng.expovariate(1.0)
         k = rng.randrange(len(lengths)) if weights is None else rng.choices(choices, weights)[0]
-        prefix = (1 << 48) + (k << 20)  # token ranges apart from the questions'
-        question = (i + 1) << 12
-        tokens = [*range(prefix, prefix + lengths[k]), *range(question, question + question_tokens)]
-        yield Timed(t, Call(f"{ids}-{i}", "local", tokens, output_tokens, app=name))
+        yield Timed(t, Call(f"{ids}-{i}", "local", prefixed_prompt(k, lengths[k], i, question_tokens),
+                            output_tokens, app=name))
+
+
+def prefixed_prompt(k: int, prefix_tokens: int, i: int, question_tokens: int, question_shift: int = 12) -> list[int]:
+    """Request `i`'s prompt as token ids: shared prefix `k`, then a question of its own (each
+    prefix and each question one range of ids, apart from all the others)."""
+    prefix = (1 << 48) + (k << 20)
+    question = (i + 1) << question_shift
+    return [*range(prefix, prefix + prefix_tokens), *range(question, question + question_tokens)]
 
 
 def shared_prefix_calls(seed: int) -> Iterator[Timed]:
@@ -234,9 +240,7 @@ def reasoning_calls(seed: int) -> Iterator[Timed]:
     live = Reasoning(seed=seed)
     systems = live.system_lengths()
     for d in live.draws():
-        prefix = (1 << 48) + (d.system << 20)  # token ranges apart from the questions'
-        question = (d.i + 1) << 14
-        tokens = [*range(prefix, prefix + systems[d.system]), *range(question, question + d.question_tokens)]
+        tokens = prefixed_prompt(d.system, systems[d.system], d.i, d.question_tokens, question_shift=14)
         yield Timed(d.at, Call(f"reason-{d.i}", "local", tokens, d.answer_tokens, user=f"reason-{d.i % 64}"))
 
 

@@ -43,6 +43,10 @@ class Reasoning:
     name: str = "reasoning"
 
     def __post_init__(self) -> None:
+        for key in ("system_prompts", "system_min_tokens", "system_max_tokens", "question_median", "answer_median", "context"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
+                raise ValueError(f"reasoning: {key} must be a whole number (got {getattr(self, key)!r}); "
+                                 f"e.g. --param {key}={getattr(type(self), key)}")
         require_positive(self, "total_rps", "system_prompts", "system_min_tokens", "question_median", "answer_median")
         if self.system_max_tokens < self.system_min_tokens:
             raise ValueError("reasoning: system_max_tokens must be >= system_min_tokens "

@@ -258,6 +258,7 @@ def test_reasoning_sends_what_the_simulator_sends_and_keeps_each_request_inside_
 
 
 @pytest.mark.parametrize("params, message", [({"total_rps": 0}, "total_rps must be > 0"),
+                                             ({"system_prompts": 2.5}, "system_prompts must be a whole number"),
                                              ({"system_max_tokens": 100}, "system_max_tokens must be >= system_min_tokens"),
                                              ({"context": 1000}, "context must hold the longest prompt")])
 def test_reasoning_refuses_a_bad_parameter_by_name(params, message):
