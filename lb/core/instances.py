@@ -105,14 +105,19 @@ class HeardEnd:
     sender: str
     replica: str
     key: str
+    # Where the replica's answer sits: the last block of the prompt it answered (empty: no
+    # whole block, or not answered) and the answer's tokens, which a conversation's next turn
+    # continues (`PrefixTrie.answered`). An instance of an earlier release sends neither.
+    prompt_end: bytes = b""
+    answer_tokens: int = 0
 
 
 def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int) -> list:
     return [sender, replica, at, tokens, chain, key, prompt_tokens]
 
 
-def end_message(sender: str, replica: str, key: str) -> list:
-    return [END, sender, replica, key]
+def end_message(sender: str, replica: str, key: str, prompt_end: bytes = b"", answer_tokens: int = 0) -> list:
+    return [END, sender, replica, key, prompt_end.hex(), answer_tokens]
 
 
 def parse_message(doc: object) -> HeardPush | HeardEnd | None:
@@ -122,8 +127,14 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | None:
         if not isinstance(doc, list):
             return None
         if doc and doc[0] == END:
-            _, sender, replica, key = doc
-            return HeardEnd(str(sender), str(replica), str(key))
+            _, sender, replica, key, *answer = doc
+            if not answer:  # an instance of an earlier release
+                return HeardEnd(str(sender), str(replica), str(key))
+            end, tokens = answer
+            end, tokens = bytes.fromhex(end), int(tokens)
+            if len(end) not in (0, HASH_BYTES) or tokens < 0:
+                return None
+            return HeardEnd(str(sender), str(replica), str(key), end, tokens)
         sender, replica, at, tokens, chain = doc[:5]
         key, prompt = (str(doc[5]), int(doc[6])) if len(doc) >= 7 else ("", 0)
         at, tokens = float(at), int(tokens)
@@ -132,6 +143,13 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | None:
         return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt)
     except (ValueError, TypeError, OverflowError):
         return None
+
+
+def heard_answer(trie: PrefixTrie, end: HeardEnd) -> None:
+    """The other instance's replica answered: record where its answer sits, as that instance
+    did, so that the conversation's next turn finds its history here too."""
+    if end.prompt_end and end.answer_tokens > 0:
+        trie.answered(end.replica, end.prompt_end, end.answer_tokens)
 
 
 def heard_prefill(trie: PrefixTrie, push: HeardPush, now: float) -> float:

@@ -67,8 +67,7 @@ class Dispatcher:
         if out.status == 200 and out.e2e_s is not None:  # TTFT None: answered whole, not streamed
             wait = out.queue_wait_s or 0.0
             self.scheduler.served(facts, rep.id, None if out.ttft_s is None else out.ttft_s - wait, out.e2e_s - wait,
-                                  int(out.usage.get("completion_tokens") or out.events or 0), now,
-                                  prompt_tokens=out.usage.get("prompt_tokens"))
+                                  out.answer_tokens(), now, prompt_tokens=out.usage.get("prompt_tokens"))
 
     @property
     def queue(self):

@@ -4,7 +4,8 @@ sent there, so every instance's prefix trie holds the region's history (lb.core.
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
 tokens, prefix chain, request id, prompt tokens], and its answer as ["end", instance,
-replica id, request id], by a sender task (a bounded queue: the request path never waits on
+replica id, request id, the prompt's last block, answer tokens] (where a conversation's next
+turn finds its history), by a sender task (a bounded queue: the request path never waits on
 Redis); a subscriber counts the others' pushes as unseen on the replica's view until their
 answer or one of our probes includes them, and each of our probes re-counts the ones it
 cannot include. On with `[state] backend = "redis"` (turn off with
@@ -21,8 +22,8 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.instances import (HeardEnd, encode_chain, end_message, heard_prefill, note_remote_end, note_remote_push,
-                               parse_message, push_message, remote_unseen)
+from lb.core.instances import (HeardEnd, encode_chain, end_message, heard_answer, heard_prefill, note_remote_end,
+                               note_remote_push, parse_message, push_message, remote_unseen)
 from lb.core.prefix import request_chain
 from lb.core.pushing import push_tokens
 
@@ -73,8 +74,11 @@ class SharedPushes:
                                    facts.prompt_tokens))
 
     def answered(self, facts, rep, out, now: float) -> None:
-        """The dispatcher's on_complete: the replica is done with our push, tell the others."""
-        self._publish(end_message(self.id, rep.id, facts.request_id))
+        """The dispatcher's on_complete: the replica is done with our push, tell the others,
+        with where its answer sits (the prompt's last block), as the scheduler records it."""
+        mem, tokens = self.policy.prefix_memory, out.answer_tokens()
+        chain = request_chain(facts, mem.block_chars, mem.isolate_tenants) if mem is not None and tokens else ()
+        self._publish(end_message(self.id, rep.id, facts.request_id, chain[-1] if chain else b"", tokens))
 
     def _publish(self, message: list) -> None:
         try:
@@ -135,9 +139,11 @@ class SharedPushes:
             return
         self.received += 1
         log, probe_started = self.logs[rep.id], self.probe_started.get(rep.id)
+        mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
         if isinstance(heard, HeardEnd):
             note_remote_end(rep.view, log, heard.key, probe_started)
+            if mem is not None:
+                heard_answer(mem.trie, heard)
             return
-        mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)

@@ -122,6 +122,12 @@ class Outcome:
     events: int = 0  # SSE data events relayed (about one per token), for the load anticipator
     ts: float = 0.0  # wall-clock time the request ended (set by the access log)
 
+    def answer_tokens(self) -> int:
+        """The tokens of the answer the replica gave whole (0: it gave none)."""
+        if self.status != 200 or self.e2e_s is None:
+            return 0
+        return int(self.usage.get("completion_tokens") or self.events or 0)
+
 
 class AccessLog:
     """One JSON line per request on stdout: orjson over the whole Outcome (every field, so

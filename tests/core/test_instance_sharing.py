@@ -62,11 +62,15 @@ def test_messages_round_trip_and_anything_malformed_is_ignored():
     push = parse_message(push_message("a", "r1", 100.5, 900, encode_chain(chain), "req-1", 800))
     assert push == HeardPush("a", "r1", 100.5, 900, chain, "req-1", 800)
     assert parse_message(end_message("a", "r1", "req-1")) == HeardEnd("a", "r1", "req-1")
+    assert parse_message(end_message("a", "r1", "req-1", chain[-1], 300)) == HeardEnd("a", "r1", "req-1", chain[-1], 300)
+    assert parse_message(["end", "a", "r1", "req-1"]) == HeardEnd("a", "r1", "req-1")  # an earlier release
     old = parse_message(["a", "r1", 100.5, 900, ""])  # an instance of an earlier release
     assert old == HeardPush("a", "r1", 100.5, 900, (), "", 0)
     for bad in (None, {}, [], ["end"], ["end", "a", "r1"], ["a", "r1", "x", 900, ""], ["a", "r1", float("nan"), 9, ""],
                 ["a", "r1", 1.0, -5, ""], ["a", "r1", 1.0, 9, "abcd"], ["a", "r1", 1.0, 9, "", "k", "many"],
-                ["a", "r1", 1e400, 9, ""], "text"):
+                ["a", "r1", 1e400, 9, ""], "text", ["end", "a", "r1", "k", "abcd", 5], ["end", "a", "r1", "k", "zz", 5],
+                ["end", "a", "r1", "k", chain[0].hex(), -1], ["end", "a", "r1", "k", chain[0].hex()],
+                ["end", "a", "r1", "k", chain[0].hex(), 5, "more"]):
         assert parse_message(bad) is None, bad
 
 
@@ -80,3 +84,17 @@ def test_a_heard_push_prefills_what_its_replica_lacks_and_teaches_our_trie():
     assert heard_prefill(trie, push, 1.0) == 250.0
     assert heard_prefill(trie, push, 2.0) == 0.0  # now our trie says r1 holds all of it
     assert heard_prefill(trie, HeardPush("a", "r2", 1.0, 10, (), "k", 7), 2.0) == 7.0
+
+
+def test_an_answer_heard_from_another_instance_is_where_the_next_turn_finds_its_history():
+    from lb.core.instances import HeardEnd, heard_answer
+    from lb.core.prefix import PrefixTrie, block_hashes
+    trie = PrefixTrie()
+    chain = block_hashes("q" * 1024, 128)
+    trie.insert(chain, "r1", 0.0)  # the push, heard before
+    heard_answer(trie, HeardEnd("a", "r1", "k", chain[-1], 300))
+    assert trie.answer_after("r2", chain[-1], "turn-2") == 0  # only the replica that answered holds it
+    assert trie.answer_after("r1", chain[-1], "turn-2") == 300
+    heard_answer(trie, HeardEnd("a", "r1", "k2", chain[3], 0))  # answered nothing: nothing recorded
+    heard_answer(trie, HeardEnd("a", "r1", "k3"))  # an earlier release: nothing recorded
+    assert trie.answer_after("r1", chain[3], "turn-2") == 0

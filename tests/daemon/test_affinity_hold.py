@@ -95,9 +95,11 @@ def test_a_request_waits_for_its_busy_prefix_holder_only_within_hold_s(tmp_path,
         assert served_by != holder  # no hold: the idle replica takes it at once
 
 
-async def conversation(lb_url: str, emu_urls: dict[str, str]) -> tuple[str, str, dict]:
+async def conversation(lb_url: str, emu_urls: dict[str, str], next_lb_url: str | None = None) -> tuple[str, str, dict]:
     """(holder of the first turn, where the second ran, the second's prompt size in blocks and
-    the first's) with the holder's queue full when the second turn comes."""
+    the first's) with the holder's queue full when the second turn comes (through `next_lb_url`
+    when given: another instance of the region)."""
+    next_lb_url = next_lb_url or lb_url
     question = [{"role": "user", "content": "Plan a week in Lisbon for a family of four. " * 6}]
     async with aiohttp.ClientSession() as s:
         body = {"model": "m", "messages": question, "max_tokens": 300, "ignore_eos": True}
@@ -106,13 +108,13 @@ async def conversation(lb_url: str, emu_urls: dict[str, str]) -> tuple[str, str,
             holder, answer = r.headers["X-LB-Replica"], (await r.json())["choices"][0]["message"]["content"]
         fillers = [asyncio.ensure_future(post(s, emu_urls[holder], f"{i} {FILLER}", 200)) for i in range(16)]
         deadline = time.monotonic() + 10
-        while not await lb_sees_pending(s, lb_url, holder):
+        while not await lb_sees_pending(s, next_lb_url, holder):
             assert time.monotonic() < deadline, "the LB never saw the holder's queue"
             await asyncio.sleep(0.005)
         second = question + [{"role": "assistant", "content": answer},
                              {"role": "user", "content": "Now only the rainy days."}]
         body = {"model": "m", "messages": second, "max_tokens": 1, "ignore_eos": True}
-        async with s.post(lb_url + "/v1/chat/completions", json=body) as r:
+        async with s.post(next_lb_url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
             served_by = r.headers["X-LB-Replica"]
         await asyncio.gather(*fillers)

@@ -4,7 +4,9 @@ The replica runs at most 4 requests (it reports `max_running_requests`), probes 
 so between probes SP-P decides on the pushes the last probe cannot have seen. 8 long streams
 arrive alternately at `a` and `b`: together they push at most 4 (the replica's headroom) and
 queue the rest, because each instance counts the other's pushes (lb.daemon.instances); the
-engine never queues a request. `share_pushes = false`, the same run pushes 8.
+engine never queues a request. `share_pushes = false`, the same run pushes 8. And a
+conversation keeps its replica whichever instance gets each turn: its prompts and its answers
+travel between them.
 """
 from __future__ import annotations
 
@@ -115,3 +117,35 @@ def test_a_prefix_lands_on_the_same_replica_whichever_instance_receives_it(tmp_p
         time.sleep(0.25)
         assert ask(then, history + " and one more question") == holder, f"conversation {s} moved"
     assert len(first_seen) == 2  # the conversations were spread, so landing together is not chance
+
+
+def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer(tmp_path: Path, procs, redis_url):
+    """Turn one through `a`, turn two, mostly turn one's answer, through `b` while the holder runs
+    a batch of 16: `b` learned from `a` where the answer sits, not only the prompt (which matches
+    under `min_gain` of turn two), so it waits for the holder as `a` would (the one-instance
+    case: tests/daemon/test_affinity_hold.py)."""
+    import asyncio
+    from tests.daemon.test_affinity_hold import conversation
+    urls = {}
+    for i in range(2):
+        emu, url = start_emulator("--speed", "1", name=f"emu-turns-{i}")
+        procs.append(emu)
+        urls[url.removeprefix("http://")] = url
+    cfg = tmp_path / "lb-turns.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "turns:"\n\n'
+                   '[probes]\ninterval_s = 0.02\n\n[affinity]\nhold_s = 30.0\nmax_bypass_s = 60.0\n\n'
+                   + "".join(f'[[replicas]]\nurl = "{u}"\nengine = "sglang"\nmodels = ["m"]\n\n' for u in urls.values()))
+    a, b = (start_lb(config=cfg, name=f"lb-turns-{n}") for n in "ab")
+    procs.extend([a.proc, b.proc])
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    try:
+        poll(lambda: dict(r.pubsub_numsub("turns:pushes")).get(b"turns:pushes") == 2, what="both instances subscribed")
+    finally:
+        r.close()
+    holder, served_by, sizes = asyncio.run(asyncio.wait_for(conversation(a.url, urls, b.url), 60))
+    access = [json.loads(x) for x in b.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
+    second = access[-1]
+    print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
+    assert second["matched_blocks"] < 0.5 * second["prompt_blocks"], second  # the prompt alone would not hold it
+    assert served_by == holder
