@@ -346,9 +346,14 @@ class TrieMemory:
     def answered(self, req: RequestFacts, target_id: str, output_tokens: int) -> None:
         """`target_id` answered `req` with `output_tokens` tokens: its engine now holds them after
         the prompt, where a conversation's next turn (or a tree's child) continues."""
+        end = self.prompt_end(req)
+        if end and output_tokens > 0:
+            self.trie.answered(target_id, end, output_tokens)
+
+    def prompt_end(self, req: RequestFacts) -> bytes:
+        """The last whole block of `req`'s prompt, where its answer is recorded (b"": none)."""
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
-        if chain and output_tokens > 0:
-            self.trie.answered(target_id, chain[-1], output_tokens)
+        return chain[-1] if chain else b""
 
     def answer_after(self, req: RequestFacts, target_id: str, depth: int, *, claim: bool = True,
                      take: bool = False) -> int:

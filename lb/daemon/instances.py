@@ -77,8 +77,8 @@ class SharedPushes:
         """The dispatcher's on_complete: the replica is done with our push, tell the others,
         with where its answer sits (the prompt's last block), as the scheduler records it."""
         mem, tokens = self.policy.prefix_memory, out.answer_tokens()
-        chain = request_chain(facts, mem.block_chars, mem.isolate_tenants) if mem is not None and tokens else ()
-        self._publish(end_message(self.id, rep.id, facts.request_id, chain[-1] if chain else b"", tokens))
+        end = mem.prompt_end(facts) if mem is not None and tokens else b""
+        self._publish(end_message(self.id, rep.id, facts.request_id, end, tokens))
 
     def _publish(self, message: list) -> None:
         try:

@@ -10,6 +10,7 @@ travel between them.
 """
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.conftest import http_json, needs_emulator, start_emulator, start_lb
+from tests.daemon.test_affinity_hold import conversation
 from tests.procs import metric, poll
 
 pytestmark = [needs_emulator, pytest.mark.timeout(90)]
@@ -124,8 +126,6 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
     a batch of 16: `b` learned from `a` where the answer sits, not only the prompt (which matches
     under `min_gain` of turn two), so it waits for the holder as `a` would (the one-instance
     case: tests/daemon/test_affinity_hold.py)."""
-    import asyncio
-    from tests.daemon.test_affinity_hold import conversation
     urls = {}
     for i in range(2):
         emu, url = start_emulator("--speed", "1", name=f"emu-turns-{i}")
