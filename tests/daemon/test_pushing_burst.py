@@ -175,8 +175,13 @@ def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_fol
     try:
         poll(lambda: d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0].get("kv_free_tokens"),
              what="the replica probed")
-        for _ in range(2):
+        # The cap shows when two probes find the same count running with requests waiting and
+        # an answer ended between them; how many bursts that takes depends on where the probes
+        # fall (two here, but none in two on a loaded CI machine): up to eight, stopping once seen.
+        long_bursts = 0
+        while long_bursts < 8 and (long_bursts < 2 or cap() is None):
             assert asyncio.run(burst(24, 300)) == [200] * 24
+            long_bursts += 1
         low = cap()
         for _ in range(10):
             assert asyncio.run(burst(64, 10)) == [200] * 64
@@ -184,7 +189,7 @@ def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_fol
     finally:
         d.proc.stop()
         emu.stop()
-    print(f"cap learned from long prompts {low}, after ten bursts of short ones {grown}")
+    print(f"cap learned from {long_bursts} bursts of long prompts {low}, after ten bursts of short ones {grown}")
     assert low is not None and low < 32, low  # the budget, not a batch of 64, held it
     # one request a round (before) stayed under 2x; an eighth a round passes it. On a busy
     # 2-core machine fewer rounds fit in a burst: 3x was seen missed (7 -> 16, 7 -> 18)
