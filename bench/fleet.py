@@ -8,6 +8,7 @@ the bottleneck.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,8 +52,10 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers 2xx, `proc` dies, or the deadline passes (tests use it too)."""
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None,
+              until: Callable[[bytes], bool] | None = None) -> None:
+    """Poll `url` until it answers 2xx (with a body `until` accepts, if given), `proc` dies,
+    or the deadline passes (tests use it too)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -59,12 +63,26 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = N
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as r:
-                if 200 <= r.status < 300:
+                body = r.read()
+                if 200 <= r.status < 300 and (until is None or until(body)):
                     return
+                last = Exception(f"answered {body[:200]!r}")
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             last = e
         time.sleep(0.05)
     raise TimeoutError(f"{url} not ready after {timeout:g}s: {last}")
+
+
+def all_workers_healthy(n: int) -> Callable[[bytes], bool]:
+    """For SGLang Router's and the vLLM router's `/readiness`: they register their workers in
+    the background and serve once one is healthy, so a round robin over three started while
+    one was still being added cycled over two (seen in CI: [1, 1, 0, 2])."""
+    def ready(body: bytes) -> bool:
+        try:
+            return json.loads(body).get("healthy_workers") == n
+        except (ValueError, AttributeError):
+            return False
+    return ready
 
 
 @dataclass
@@ -95,7 +113,8 @@ class Fleet:
         self.services: list[Service] = []
 
     def start(self, name: str, args: list[str], ready_path: str, port: int, *, timeout: float = 30.0,
-              env: dict | None = None, extra_ports: dict[str, int] | None = None) -> Service:
+              env: dict | None = None, extra_ports: dict[str, int] | None = None,
+              until: Callable[[bytes], bool] | None = None) -> Service:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -103,7 +122,7 @@ class Fleet:
         service = Service(name, f"http://127.0.0.1:{port}", popen, log_path, extra_ports or {})
         self.services.append(service)
         try:
-            wait_http(service.url + ready_path, timeout, popen)
+            wait_http(service.url + ready_path, timeout, popen, until)
         except Exception as e:
             raise RuntimeError(f"{name} failed to start ({e}); log:\n{service.log_tail()}") from None
         return service
@@ -123,12 +142,13 @@ class Fleet:
 
     def sglang_router(self, worker_urls: list[str], *, policy: str = "cache_aware", name: str = "sglang-router",
                       extra: list[str] | None = None) -> Service:
-        """SGLang Router (PyPI `sglang-router`), ready once it lists a model from its workers."""
+        """SGLang Router (PyPI `sglang-router`), ready once every worker is registered and healthy."""
         port, prom = free_port(), free_port()
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
                 "--worker-urls", *worker_urls, "--policy", policy, *(extra or [])]
-        return self.start(name, args, "/v1/models", port, timeout=60.0, extra_ports={"prometheus": prom})
+        return self.start(name, args, "/readiness", port, timeout=60.0, extra_ports={"prometheus": prom},
+                          until=all_workers_healthy(len(worker_urls)))
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far per service, plus this process (`client`)."""

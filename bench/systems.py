@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.cluster import ClusterSpec, Testbed, start_testbed
-from bench.fleet import Fleet, free_port
+from bench.fleet import Fleet, all_workers_healthy, free_port
 from bench.scenarios._lb import start_lb
 from lb.core.peering import PEER_POLICIES, PeeringConfig
 from lb.core.policies import DEFAULT_POLICY
@@ -126,7 +126,8 @@ def start(system: System, fleet: Fleet, replica_urls: list[str], *, speed: float
         port = free_port()
         args = [_vllm_router_bin(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *replica_urls,
                 "--policy", system.policy, "--log-level", "warning"]
-        return [fleet.start(name, args, "/v1/models", port, timeout=60.0).url]
+        return [fleet.start(name, args, "/readiness", port, timeout=60.0,
+                            until=all_workers_healthy(len(replica_urls))).url]
     if system.family == "nginx":
         return [start_nginx(fleet, replica_urls, system.policy, name=name)]
     raise ValueError(f"unknown system family {system.family!r}")
