@@ -154,46 +154,42 @@ def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_fol
     When short prompts follow, pushes an eighth past the cap (at least one) are admitted and
     the cap grows to what runs, an eighth or more a probe round (one request a round before:
     9 → 15 and 7 → 13 over five bursts, against 8 → 56)."""
-    emu, url = start_emulator("--speed", "1", "--max-running", "64", "--kv-tokens", "200000",
+    # At half speed a burst of long prompts spans five probes or more, not three
+    emu, url = start_emulator("--speed", "0.5", "--max-running", "64", "--kv-tokens", "200000",
                               "--prefill-budget", "256", "--admit-within-budget", name="emu")
     d = start_lb("--replica", url, "--engine", "vllm", "--pushing", "sp-pending")
     admin = {"Authorization": f"Bearer {d.token}"}
 
-    async def burst(n: int, words: int) -> list[int]:
+    async def burst(n: int, words: int, tag: str = "") -> list[int]:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> int:
-                body = {"model": "m", "messages": [{"role": "user", "content": f"{i} " + "word " * words}],
+                body = {"model": "m", "messages": [{"role": "user", "content": f"{tag}{i} " + "word " * words}],
                         "max_tokens": 4 + i % 5, "ignore_eos": True}
                 async with s.post(d.url + "/v1/chat/completions", json=body) as r:
                     await r.read()
                     return r.status
             return await asyncio.gather(*(one(i) for i in range(n)))
 
-    def cap() -> int | None:
-        return d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0]["max_running"]
+    def replica() -> dict:
+        return d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0]
 
     try:
-        poll(lambda: d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0].get("kv_free_tokens"),
-             what="the replica probed")
-        # The cap shows when two probes find the same count running with requests waiting and
-        # an answer ended between them; how many bursts that takes depends on where the probes
-        # fall (two here, but none in two on a loaded CI machine): up to eight, stopping once seen.
-        long_bursts = 0
-        while long_bursts < 8 and (long_bursts < 2 or cap() is None):
-            assert asyncio.run(burst(24, 300)) == [200] * 24
-            long_bursts += 1
-        seen = d.get_json("/admin/replicas", headers=admin)[1]["replicas"][0]  # what the probes showed, if it fails
+        poll(lambda: replica().get("kv_free_tokens"), what="the replica probed")
+        # Each burst's prompts are new: a prompt the engine holds cached needs no prefill, the
+        # budget does not bind, and running jumps (this test once repeated them, so only its
+        # first burst could teach, and on a loaded CI machine its few probes sometimes missed).
+        for b in range(3):
+            assert asyncio.run(burst(24, 300, tag=f"burst {b}: ")) == [200] * 24
+        seen = replica()
         low = seen["max_running"]
         for _ in range(10):
             assert asyncio.run(burst(64, 10)) == [200] * 64
-        grown = cap()
+        grown = replica()["max_running"]
     finally:
         d.proc.stop()
         emu.stop()
-    print(f"cap learned from {long_bursts} bursts of long prompts {low}, after ten bursts of short ones {grown}")
-    if low is None:  # seen twice in a fresh-clone CI run (eight bursts, none taught it), never alone here: cause open
-        pytest.skip(f"no cap learned in {long_bursts} bursts; the probes showed {seen}")
-    assert low < 32, (low, seen)  # the budget, not a batch of 64, held it
+    print(f"cap learned from bursts of long prompts {low}, after ten bursts of short ones {grown}")
+    assert low is not None and low < 32, seen  # the budget, not a batch of 64, held it
     # one request a round (before) stayed under 2x; an eighth a round passes it. On a busy
     # 2-core machine fewer rounds fit in a burst: 3x was seen missed (7 -> 16, 7 -> 18)
     assert grown > min(2 * low, 47), (low, grown)
