@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from bench.profiles import Profile, get_profile
 from bench.sim.core import EventLoop
@@ -316,14 +316,25 @@ class Arena:
         requests alone flatter a system that leaves requests waiting past the run's end: at 1.1x
         capacity on the reasoning replay one peer's p90 over answered requests was 0.37x `lb`'s
         (seed 0) while it had left 1.7x as many requests without a first token."""
+        return [t for _, t in self._waits(since)]
+
+    def waited_by_user(self, since: float) -> dict[str, list[float]]:
+        """`waited`, per user (tenant; "anonymous" for a call that names none)."""
+        out: dict[str, list[float]] = {}
+        for user, t in self._waits(since):
+            out.setdefault(user, []).append(t)
+        return out
+
+    def _waits(self, since: float) -> Iterator[tuple[str, float]]:
         now = self.loop.now
-        out = [d.ttft for d in self.done if d.sent_at >= since]
-        for rid, (_, sent, _) in self.callbacks.items():
+        for d in self.done:
+            if d.sent_at >= since:
+                yield d.req.facts.user or "anonymous", d.ttft
+        for rid, (call, sent, _) in self.callbacks.items():
             if sent >= since:
                 req = self.arrived.get(rid)
                 first = req.first_token if req is not None else None
-                out.append(now - sent if first is None else first - sent)
-        return out
+                yield call.user or "anonymous", now - sent if first is None else first - sent
 
     @property
     def in_flight(self) -> int:

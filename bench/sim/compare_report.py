@@ -11,6 +11,8 @@ LB = "lb"
 # TTFT p90 over every request sent after the warm-up, one still without a first token at the end
 # counted at its wait so far (bench.sim.arena.Arena.waited)
 WAITED = "ttft_p90_waited_s"
+# each tenant's TTFT p90 (unanswered too), the median tenant's and the worst (bench.sim.compare.tenant_p90s)
+TENANT_MEDIAN, TENANT_WORST = "tenant_p90_median_s", "tenant_p90_worst_s"
 
 
 def _fmt(entry: dict | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -70,11 +72,12 @@ def _ratio(a, b) -> str:
 def table(summary: dict) -> str:
     """Markdown table: one row per system, medians with 95 % CIs, lb's ratios underneath."""
     rows = ["| system | throughput req/s | served req/s (whole run) | TTFT p50 ms | TTFT p90 ms | "
-            "TTFT p90 ms, unanswered too | E2E p50 s | cached | cut |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "TTFT p90 ms, unanswered too | tenants' TTFT p90 ms: median tenant / worst | E2E p50 s | cached | cut |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary["systems"].items():
         rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['served_rps'])} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
-                    f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s.get(WAITED), 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
+                    f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s.get(WAITED), 1000, 0)} | "
+                    f"{_fmt(s.get(TENANT_MEDIAN), 1000, 0)} / {_fmt(s.get(TENANT_WORST), 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
                     f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
     peer = best_peer(summary)
     ours = summary["systems"].get(LB)
@@ -102,7 +105,10 @@ def report_md(summary: dict) -> str:
              "run ended (not errors). Latencies are over the requests sent after the warm-up that were "
              "answered by the end, except `TTFT p90 ms, unanswered too`: every request sent after the "
              "warm-up, one without a first token at the end counted at its wait so far (past capacity "
-             "a system that leaves more requests waiting looks better on answered requests alone).", "", table(summary), "",
+             "a system that leaves more requests waiting looks better on answered requests alone), and the "
+             "tenants' p90 (each user with 20 or more requests after the warm-up: its own p90 the same way; "
+             "the median tenant's and the worst; `-` where fewer than two users sent that many).", "",
+             table(summary), "",
              "![TTFT CDF](ttft_cdf.png)", "", "![throughput](throughput.png)", ""]
     return "\n".join(lines)
 

@@ -55,6 +55,8 @@ def _compare(workload: str, system: str, seed: int, duration_s: float, load_rps:
         # derived from `sent` and `cut_at_deadline`, which are hashed: a new summary of the same
         # run is not a change of what the run did (added 2026-11-26; hashes comparable across it)
         out.pop("served_rps", None)
+        out.pop("tenant_p90_median_s", None)  # likewise, from the TTFTs (added 2026-11-28)
+        out.pop("tenant_p90_worst_s", None)
         return out
     return run
 

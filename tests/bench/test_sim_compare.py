@@ -496,6 +496,48 @@ def test_the_p90_counting_the_unanswered_takes_every_request_sent_at_its_wait_so
     assert np.percentile(waited, 90) > np.percentile(answered, 90)
 
 
+def test_the_fair_queue_moves_the_wait_past_capacity_onto_the_tenant_over_its_share():
+    """Bursty tenants at 1.3x capacity: one of eight tenants sends over half the requests. Its
+    p90 is the p90 over everyone's, so that figure alone cannot tell a router that makes every
+    tenant wait from one that makes only the heavy one wait. Per tenant it can: under `lb`'s
+    fair queue the median tenant's p90 is a fraction of the worst's; nginx least_conn (FCFS at
+    each engine) gives every tenant about the same wait."""
+    from bench.sim import compare
+
+    got = {}
+    for system in ("lb", "nginx least_conn"):
+        run = compare.run_one(("bursty", system, 0, 8.23 * 1.3, 120.0))
+        got[system] = (run["tenant_p90_median_s"], run["tenant_p90_worst_s"], run["ttft_p90_waited_s"])
+    print(got)
+    median, worst, everyone = got["lb"]
+    assert median < 0.4 * worst  # the others are served while the heavy tenant waits
+    assert worst > 0.9 * everyone  # the p90 over everyone is the heavy tenant's
+    median, worst, _ = got["nginx least_conn"]
+    assert median > 0.8 * worst  # first come, first served: every tenant waits alike
+    assert got["lb"][0] < 0.5 * median  # and the median tenant waits far less under lb
+
+
+def test_a_tenants_p90_needs_enough_requests_and_two_tenants_to_compare():
+    from bench.sim.compare import MIN_TENANT_REQUESTS, tenant_p90s
+
+    many = [float(i) for i in range(1, 101)]  # p90 90.1
+    assert tenant_p90s({"a": many}) == []  # one tenant: nothing to compare
+    assert tenant_p90s({"a": many, "b": [1.0] * (MIN_TENANT_REQUESTS - 1)}) == []  # too few to have a p90
+    assert tenant_p90s({"a": many, "b": [2.0] * MIN_TENANT_REQUESTS}) == [pytest.approx(90.1), 2.0]
+
+
+def test_arena_waits_per_user_are_the_waits_of_everyone():
+    from bench.sim import compare
+    from bench.sim.workloads_sim import get
+
+    arena = compare.make_arena("bursty", "lb", 0)
+    get("bursty").drive(arena, seed=0, rate_rps=12.0, stop_at=60.0)
+    arena.loop.run(60.0)
+    by_user = arena.waited_by_user(10.0)
+    assert len(by_user) == 8 and "anonymous" not in by_user  # ServeGen's eight tenants, each named
+    assert sorted(t for ts in by_user.values() for t in ts) == sorted(arena.waited(10.0))
+
+
 def test_standing_counts_the_unanswered_p90_where_the_summaries_have_it():
     from bench.sim.compare_report import WAITED, standing, table
 
