@@ -34,7 +34,7 @@ DEFAULT_REPEATS = 3
 FOREIGN_CORES_WARN = 0.3
 REPEATED = (("throughput_rps",), ("ttft_s", "p50"), ("ttft_s", "p90"), ("e2e_s", "p50"),
             ("steady", "throughput_rps"), ("steady", "ttft_s", "p50"), ("steady", "ttft_s", "p90"),
-            ("steady", "cached_token_ratio"))
+            ("steady", "cached_token_ratio"), ("tenants", "p90_median_s"), ("tenants", "p90_worst_s"))
 PAPER_REGIONS = ("us", "eu", "asia")
 # SkyWalker's inter-region one-way latencies (as in scenario regional-skew), before time compression
 PAPER_LATENCY_MS = {"us-eu": 40, "us-asia": 80, "eu-asia": 90}

@@ -32,7 +32,7 @@ from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
-from bench.stats import steady_summary
+from bench.stats import steady_summary, tenant_summary
 from bench.systems import pick_names
 from bench.workloads.base import EXACT, check_max_tokens
 
@@ -115,7 +115,7 @@ def run_one(args: tuple) -> dict:
     ttft = np.array([d.ttft for d in ended if d.sent_at >= warm])
     by_user = arena.waited_by_user(warm)  # also the requests still waiting at the end (Arena.waited)
     waited = [t for ts in by_user.values() for t in ts]
-    tenants = tenant_p90s(by_user)
+    tenants = tenant_summary(by_user)
     return {
         "system": system, "seed": seed,
         "throughput_rps": steady["throughput_rps"],
@@ -123,8 +123,8 @@ def run_one(args: tuple) -> dict:
         "ttft_p50_s": steady["ttft_s"]["p50"],
         "ttft_p90_s": steady["ttft_s"]["p90"],
         "ttft_p90_waited_s": float(np.percentile(waited, 90)) if len(waited) else None,
-        "tenant_p90_median_s": float(np.median(tenants)) if tenants else None,
-        "tenant_p90_worst_s": max(tenants) if tenants else None,
+        "tenant_p90_median_s": tenants["p90_median_s"],
+        "tenant_p90_worst_s": tenants["p90_worst_s"],
         "e2e_p50_s": steady["e2e_s"]["p50"],
         "cached_ratio": steady["cached_token_ratio"],
         "errors": 0,
@@ -134,21 +134,6 @@ def run_one(args: tuple) -> dict:
         "replicas": replica_stats(arena, waiting),
         "wall_s": time.perf_counter() - wall,
     }
-
-
-# A tenant's p90 needs this many requests after the warm-up to mean anything
-MIN_TENANT_REQUESTS = 20
-
-
-def tenant_p90s(by_user: dict[str, list[float]]) -> list[float]:
-    """Each tenant's TTFT p90 (counting its unanswered requests at their wait so far), for the
-    tenants that sent MIN_TENANT_REQUESTS or more; empty unless two or more did. A p90 over all
-    requests is the heaviest tenant's when it sends most of them (bursty tenants at 1.3x: one
-    of eight sends 55 %); the median tenant's p90 says what the others got, the worst what
-    the heaviest paid for it: `lb`'s fair queue is meant to move the wait onto the tenant
-    over its share, and the two together show whether it does."""
-    p90s = [float(np.percentile(ts, 90)) for ts in by_user.values() if len(ts) >= MIN_TENANT_REQUESTS]
-    return p90s if len(p90s) >= 2 else []
 
 
 def median_ci(values: list[float], seed: int = 0) -> dict:

@@ -518,7 +518,7 @@ def test_the_fair_queue_moves_the_wait_past_capacity_onto_the_tenant_over_its_sh
 
 
 def test_a_tenants_p90_needs_enough_requests_and_two_tenants_to_compare():
-    from bench.sim.compare import MIN_TENANT_REQUESTS, tenant_p90s
+    from bench.stats import MIN_TENANT_REQUESTS, tenant_p90s
 
     many = [float(i) for i in range(1, 101)]  # p90 90.1
     assert tenant_p90s({"a": many}) == []  # one tenant: nothing to compare
