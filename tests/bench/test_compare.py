@@ -137,6 +137,25 @@ def test_steady_state_leaves_out_the_first_fifth_and_the_drain_as_the_simulator_
     assert report["cached_token_ratio"] < steady["cached_token_ratio"]  # the whole run counts them
 
 
+def test_a_live_run_gives_each_tenants_p90_counting_requests_that_never_got_a_first_token():
+    """The simulator's per-tenant figure on a live run's records: after the warm-up, each
+    tenant's TTFT p90, a request cut at the deadline counted at its wait until the run ended."""
+    from bench.stats import MIN_TENANT_REQUESTS, RequestRecord, run_report
+
+    n = MIN_TENANT_REQUESTS
+    records = [RequestRecord(f"a{i}", 3.0 + i * 0.1, ok=True, ttft=0.2, e2e=1.0, tenant="light") for i in range(n)]
+    records += [RequestRecord(f"b{i}", 3.0 + i * 0.1, ok=True, ttft=0.5, e2e=1.0, tenant="heavy") for i in range(n)]
+    # the heavy tenant's last five never got a first token before the deadline at 20 s
+    records += [RequestRecord(f"c{i}", 9.0, ok=False, error="deadline", tenant="heavy") for i in range(5)]
+    records += [RequestRecord("early", 0.5, ok=True, ttft=9.0, e2e=10.0, tenant="light")]  # the warm-up
+    tenants = run_report(records, 20.0, 10.0)["tenants"]
+    assert tenants["tenants"] == 2
+    assert tenants["p90_worst_s"] == pytest.approx(11.0)  # 5 of 25 at 20 - 9 s: its p90 is their wait
+    assert tenants["p90_median_s"] == pytest.approx((0.2 + 11.0) / 2)  # two tenants: the middle of the two
+    one = run_report([r for r in records if r.tenant == "light"], 20.0, 10.0)["tenants"]
+    assert one == {"p90_median_s": None, "p90_worst_s": None, "tenants": 0}  # one tenant: nothing to compare
+
+
 def test_the_comparison_report_shows_the_steady_state_beside_the_whole_run():
     runs = {name: {"system": {"family": fam}, "throughput_rps": thr, "ttft_s": {"p50": 0.1, "p90": 0.2},
                    "steady": {"from_s": 4.0, "throughput_rps": thr * 1.1, "ttft_s": {"p50": 0.1, "p90": p90},
