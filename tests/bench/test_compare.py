@@ -116,6 +116,24 @@ def test_sp_micro_states_sp_p_against_blind_pushing_whatever_the_default_policy(
     assert line in (tmp_path / "report.md").read_text()
 
 
+def test_compare_bursty_reports_each_tenants_p90_per_system(tmp_path):
+    """compare-bursty's notes give, per system, the median tenant's and the worst tenant's TTFT
+    p90 over its runs (ServeGen's eight tenants; two of them send 20 or more requests here)."""
+    from bench.scenarios import compare_bursty
+
+    systems = [lb(), DIRECT]
+    c = compare_bursty.compare(True)
+    c.systems, c.profile, c.speed, c.time_scale, c.duration_s = systems, "tiny", 10.0, 1.0, 5.0
+    c.params = {"total_rps": 50.0, "size_scale": 0.05}
+    summary = run_compare(c, tmp_path)
+    check_summary(summary, systems)
+    for name, v in summary["variants"].items():
+        med, worst = (v["repeats"]["figures"][f"tenants.{k}"] for k in ("p90_median_s", "p90_worst_s"))
+        assert med["median"] is not None and med["median"] <= worst["median"], (name, v["tenants"])
+        line = next(n for n in summary["notes"] if n.startswith(f"{name}: each tenant's TTFT p90"))
+        assert f"the median tenant's {med['median']:.2f}" in line and line in (tmp_path / "report.md").read_text()
+
+
 def test_steady_state_leaves_out_the_first_fifth_and_the_drain_as_the_simulator_does():
     from bench.stats import RequestRecord, run_report
 
