@@ -107,14 +107,12 @@ def tenant_p90s(by_tenant: dict[str, list[float]]) -> list[float]:
 
 
 def tenant_waits(records: Sequence[RequestRecord], since: float, end: float) -> dict[str, list[float]]:
-    """Per tenant, the TTFT of each request sent at `since` or later, one that never got a
-    first token (cut at the deadline, failed) counted at its wait until `end` (a lower bound):
-    the simulator's `Arena.waited` on a live run's records."""
-    out: dict[str, list[float]] = defaultdict(list)
-    for r in records:
-        if r.start >= since:
-            out[r.tenant or "anonymous"].append(r.ttft if r.ttft is not None else max(0.0, end - r.start))
-    return dict(out)
+    """Per tenant (`group_by`: a request that names none belongs to no tenant), the TTFT of each
+    request sent at `since` or later, one that never got a first token (cut at the deadline,
+    failed) counted at its wait until `end` (a lower bound): the simulator's
+    `Arena.waited_by_user` on a live run's records."""
+    return {tenant: [r.ttft if r.ttft is not None else max(0.0, end - r.start) for r in rs if r.start >= since]
+            for tenant, rs in group_by(records, "tenant").items()}
 
 
 def tenant_summary(by_tenant: dict[str, list[float]]) -> dict:

@@ -319,22 +319,23 @@ class Arena:
         return [t for _, t in self._waits(since)]
 
     def waited_by_user(self, since: float) -> dict[str, list[float]]:
-        """`waited`, per user (tenant; "anonymous" for a call that names none)."""
+        """`waited`, per user (tenant); a call that names none belongs to no tenant."""
         out: dict[str, list[float]] = {}
         for user, t in self._waits(since):
-            out.setdefault(user, []).append(t)
+            if user is not None:
+                out.setdefault(user, []).append(t)
         return out
 
-    def _waits(self, since: float) -> Iterator[tuple[str, float]]:
+    def _waits(self, since: float) -> Iterator[tuple[str | None, float]]:
         now = self.loop.now
         for d in self.done:
             if d.sent_at >= since:
-                yield d.req.facts.user or "anonymous", d.ttft
+                yield d.req.facts.user, d.ttft
         for rid, (call, sent, _) in self.callbacks.items():
             if sent >= since:
                 req = self.arrived.get(rid)
                 first = req.first_token if req is not None else None
-                yield call.user or "anonymous", now - sent if first is None else first - sent
+                yield call.user, now - sent if first is None else first - sent
 
     @property
     def in_flight(self) -> int:

@@ -113,9 +113,8 @@ def run_one(args: tuple) -> dict:
     ended = [d for d in arena.done if d.sent_at + d.e2e <= duration_s]
     warm = steady["from_s"]
     ttft = np.array([d.ttft for d in ended if d.sent_at >= warm])
-    by_user = arena.waited_by_user(warm)  # also the requests still waiting at the end (Arena.waited)
-    waited = [t for ts in by_user.values() for t in ts]
-    tenants = tenant_summary(by_user)
+    waited = arena.waited(warm)  # also the requests still waiting at the end (Arena.waited)
+    tenants = tenant_summary(arena.waited_by_user(warm))
     return {
         "system": system, "seed": seed,
         "throughput_rps": steady["throughput_rps"],

@@ -11,7 +11,7 @@ LB = "lb"
 # TTFT p90 over every request sent after the warm-up, one still without a first token at the end
 # counted at its wait so far (bench.sim.arena.Arena.waited)
 WAITED = "ttft_p90_waited_s"
-# each tenant's TTFT p90 (unanswered too), the median tenant's and the worst (bench.sim.compare.tenant_p90s)
+# each tenant's TTFT p90 (unanswered too), the median tenant's and the worst (bench.stats.tenant_summary)
 TENANT_MEDIAN, TENANT_WORST = "tenant_p90_median_s", "tenant_p90_worst_s"
 
 
