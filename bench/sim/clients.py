@@ -70,6 +70,7 @@ class Programs:
         self.arena, self.workload, self.stop_at = arena, workload, stop_at
         self.max_requests = max_requests  # like the live client's --requests: stop issuing after this many
         self.programs_started = 0
+        self.finished: list[tuple[float, float]] = []  # (started, ended) of each program that ran whole
 
     def may_issue(self) -> bool:
         if self.max_requests is not None and self.arena.sent >= self.max_requests:
@@ -82,6 +83,7 @@ class Programs:
     def _finished(self, program, spec: RequestSpec, region: str, on_end, done: Done) -> None:
         program.pending -= 1
         for nxt in program.on_done(spec, output_text(spec.request_id, done.output_tokens)):
+            program.cut |= not self.may_issue()
             if self.may_issue():
                 program.pending += 1
                 if nxt.delay_s > 0:  # a tool runs first: the request leaves when it is done
@@ -95,12 +97,17 @@ class Programs:
             self._send(program, spec, region, on_end)
             return
         program.pending -= 1
+        program.cut = True
         self._settle(program, on_end)
 
-    @staticmethod
-    def _settle(program, on_end: Callable[[], None] | None) -> None:
-        """A program with nothing in flight or waiting on a tool has ended."""
-        if program.pending == 0 and on_end is not None:
+    def _settle(self, program, on_end: Callable[[], None] | None) -> None:
+        """A program with nothing in flight or waiting on a tool has ended; it ran whole unless
+        a request it would have sent was not (the run's end, `max_requests`)."""
+        if program.pending:
+            return
+        if not program.cut:
+            self.finished.append((program.started_at, self.arena.loop.now))
+        if on_end is not None:
             on_end()
 
     def start_program(self, client: int, index: int, region: str, on_end: Callable[[], None] | None = None) -> None:
@@ -108,8 +115,9 @@ class Programs:
             return
         program = self.workload.program(client, index)
         self.programs_started += 1
-        program.pending = 0
+        program.pending, program.cut, program.started_at = 0, False, self.arena.loop.now
         for spec in program.start():
+            program.cut |= not self.may_issue()
             if self.may_issue():
                 program.pending += 1
                 self._send(program, spec, region, on_end)

@@ -96,7 +96,7 @@ def run_one(args: tuple) -> dict:
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
                        lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT)
-    get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
+    driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
     # Steady state only: completions inside [warm, end] for throughput (as capacity is
@@ -115,6 +115,11 @@ def run_one(args: tuple) -> dict:
     ttft = np.array([d.ttft for d in ended if d.sent_at >= warm])
     waited = arena.waited(warm)  # also the requests still waiting at the end (Arena.waited)
     tenants = tenant_summary(arena.waited_by_user(warm))
+    # Programs (trees, conversations, agent sessions) started after the warm-up that ran whole
+    # by the end: past capacity a system can answer many calls and finish few programs (each
+    # started, none served to its end), and a program's user has nothing until it ends.
+    finished = getattr(driver, "finished", None)
+    programs = None if finished is None else sum(warm <= a and b <= duration_s for a, b in finished) / (duration_s - warm)
     return {
         "system": system, "seed": seed,
         "throughput_rps": steady["throughput_rps"],
@@ -124,6 +129,7 @@ def run_one(args: tuple) -> dict:
         "ttft_p90_waited_s": float(np.percentile(waited, 90)) if len(waited) else None,
         "tenant_p90_median_s": tenants["p90_median_s"],
         "tenant_p90_worst_s": tenants["p90_worst_s"],
+        "programs_rps": programs,
         "e2e_p50_s": steady["e2e_s"]["p50"],
         "cached_ratio": steady["cached_token_ratio"],
         "errors": 0,
@@ -145,7 +151,7 @@ def median_ci(values: list[float], seed: int = 0) -> dict:
 
 
 METRICS = ("throughput_rps", "served_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p90_waited_s", "tenant_p90_median_s",
-           "tenant_p90_worst_s", "e2e_p50_s", "cached_ratio")
+           "tenant_p90_worst_s", "programs_rps", "e2e_p50_s", "cached_ratio")
 
 
 def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: list[str] | None = None) -> dict:

@@ -13,6 +13,7 @@ LB = "lb"
 WAITED = "ttft_p90_waited_s"
 # each tenant's TTFT p90 (unanswered too), the median tenant's and the worst (bench.stats.tenant_summary)
 TENANT_MEDIAN, TENANT_WORST = "tenant_p90_median_s", "tenant_p90_worst_s"
+PROGRAMS = "programs_rps"  # programs started after the warm-up that ran whole, per second (program workloads)
 
 
 def _fmt(entry: dict | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -71,11 +72,12 @@ def _ratio(a, b) -> str:
 
 def table(summary: dict) -> str:
     """Markdown table: one row per system, medians with 95 % CIs, lb's ratios underneath."""
-    rows = ["| system | throughput req/s | served req/s (whole run) | TTFT p50 ms | TTFT p90 ms | "
+    rows = ["| system | throughput req/s | served req/s (whole run) | programs finished /s | TTFT p50 ms | TTFT p90 ms | "
             "TTFT p90 ms, unanswered too | tenants' TTFT p90 ms: median tenant / worst | E2E p50 s | cached | cut |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary["systems"].items():
-        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['served_rps'])} | {_fmt(s['ttft_p50_s'], 1000, 0)} | "
+        rows.append(f"| {name} | {_fmt(s['throughput_rps'])} | {_fmt(s['served_rps'])} | {_fmt(s.get(PROGRAMS))} | "
+                    f"{_fmt(s['ttft_p50_s'], 1000, 0)} | "
                     f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s.get(WAITED), 1000, 0)} | "
                     f"{_fmt(s.get(TENANT_MEDIAN), 1000, 0)} / {_fmt(s.get(TENANT_WORST), 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
                     f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
@@ -107,7 +109,9 @@ def report_md(summary: dict) -> str:
              "warm-up, one without a first token at the end counted at its wait so far (past capacity "
              "a system that leaves more requests waiting looks better on answered requests alone), and the "
              "tenants' p90 (each user with 20 or more requests after the warm-up: its own p90 the same way; "
-             "the median tenant's and the worst; `-` where fewer than two users sent that many).", "",
+             "the median tenant's and the worst; `-` where fewer than two users sent that many). `programs "
+             "finished /s`: programs (trees, conversations, agent sessions) started after the warm-up that "
+             "ran whole by the end, per second (`-` for replays).", "",
              table(summary), "",
              "![TTFT CDF](ttft_cdf.png)", "", "![throughput](throughput.png)", ""]
     return "\n".join(lines)

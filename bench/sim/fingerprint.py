@@ -57,6 +57,7 @@ def _compare(workload: str, system: str, seed: int, duration_s: float, load_rps:
         out.pop("served_rps", None)
         out.pop("tenant_p90_median_s", None)  # likewise, from the TTFTs (added 2026-11-28)
         out.pop("tenant_p90_worst_s", None)
+        out.pop("programs_rps", None)  # likewise, from the clients (added 2026-11-28, thirtieth session)
         return out
     return run
 

@@ -49,10 +49,16 @@ class WscConfig:
     # half-lives (s), so it banks what it used less than they did recently, and no more;
     # 0: VTC's lift to the least active counter (the papers' rule). See `WeightedService.place`.
     half_life_s: float = 60.0
+    # An interaction under way (a tree of calls, an agent's steps) ranks at the standing its
+    # tenant had when its first call was dispatched, for up to this much service (in calls'
+    # worth: a call costs about 1, tokens over its stage's mean); past it, by its tenant's
+    # standing now like any call. 0: every call ranks by its tenant's standing now.
+    # See `lb.core.queueing.WSCQueue`.
+    interaction_credit: float = 128.0
 
 
 # VTC as its paper defines it: plain token counts, cumulative counters, the lift.
-VTC_CONFIG = WscConfig(alpha=1, beta=1, gamma=1, weighted=False, half_life_s=0.0)
+VTC_CONFIG = WscConfig(alpha=1, beta=1, gamma=1, weighted=False, half_life_s=0.0, interaction_credit=0.0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class FairnessConfig:
             user_priority=prio,
             default_output_tokens=int(_pos(w.pop("default_output_tokens", 256), f"{path}.wsc.default_output_tokens")),
             half_life_s=_nonneg(w.pop("half_life_s", 60.0), f"{path}.wsc.half_life_s"),
+            interaction_credit=_nonneg(w.pop("interaction_credit", 128.0), f"{path}.wsc.interaction_credit"),
         )
         if w:
             raise ValueError(f"{path}.wsc: unknown keys {sorted(w)}")

@@ -575,3 +575,45 @@ def test_the_reasoning_replay_is_decode_bound_heavy_tailed_and_fits_the_context(
     other = [t.call for t in itertools.islice(reasoning_calls(1), 2000)]
     assert len(first) == 8 and {c.tokens[0] for c in other} == first
     assert [c.output_tokens for c in other[:50]] != answers[:50]
+
+
+def test_past_capacity_lb_finishes_the_programs_it_started():
+    """Heterogeneous replicas at 2x capacity (88.6 req/s against 44.3), 120 s: `lb` ranks a
+    tree under way at the rank it started at (`[fairness.wsc] interaction_credit`), so it
+    finishes trees while new ones wait. Ranked by its user's service now (credit 0: least
+    attained service) every tree advances a call at a time behind each newer tree and none
+    started after the warm-up finishes, with the p90 counting the unanswered far higher."""
+    import dataclasses
+
+    from bench.sim import compare
+    from bench.sim.model import LBConfig
+    from lb.core.fairness import WscConfig
+
+    got = {}
+    for credit in (WscConfig().interaction_credit, 0.0):
+        cfg = dataclasses.replace(LBConfig(), wsc=WscConfig(interaction_credit=credit))
+        run = compare.run_one(("heterogeneous", "lb", 0, 88.6, 120.0, True, cfg))
+        got[credit] = (run["programs_rps"], run["ttft_p90_waited_s"], run["throughput_rps"])
+    print(got)
+    (programs, waited, rps), (programs0, waited0, rps0) = got.values()
+    assert programs > 0.3 and programs > 2 * programs0
+    assert waited < 0.6 * waited0
+    assert rps > 0.9 * rps0  # the calls answered cost little
+
+
+def test_programs_finished_count_only_programs_that_ran_whole():
+    """A program cut by the run's end is not finished: at the end of a short run some trees are
+    under way, and every finished one answered all of its calls."""
+    from bench.sim import compare
+    from bench.sim.workloads_sim import get
+
+    arena = compare.make_arena("tot", "lb", 0)
+    programs = get("tot").drive(arena, seed=0, rate_rps=40.0, stop_at=30.0)
+    arena.loop.run(30.0)
+    calls = {}
+    for d in arena.done:
+        calls.setdefault(d.req.facts.interaction_id, []).append(d)
+    assert 0 < len(programs.finished) < programs.programs_started
+    assert all(b <= 30.0 and a < b for a, b in programs.finished)
+    complete = [tree for tree, done in calls.items() if len(done) == 15]  # 1 + 2 + 4 + 8 calls a tree
+    assert len(programs.finished) == len(complete)

@@ -586,3 +586,56 @@ def test_dpa_entries_exactly_on_a_class_bound_rank_as_ranking_every_entry_does()
         q.push(QueueEntry(RequestFacts(request_id="n", model="m", tier=Tier.IW_N, arrival=6.2), 6.2, seq=9))
     assert [e.facts.request_id for e in fast.iter_in_order(10.0)] == \
            [e.facts.request_id for e in ref.iter_in_order(10.0)] == ["b2", "b3", "n", "b4", "b5", "b0", "b1"]
+
+
+def _tree_then_newcomers(credit: float) -> tuple[WeightedService, list[str]]:
+    """A wide tree dispatches its root and 20 calls (its user far above everyone), then a new
+    one-call user arrives each second while the tree's last leaf waits: the order served.
+    (The papers' placement, `half_life_s = 0`, so that a newcomer's counter is plainly the
+    least active one; the anchor does not depend on how newcomers are placed.)"""
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0.0, interaction_credit=credit)
+    q = make_queue("wsc", service=svc)
+    q.push(entry("w0", t=0, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=0))
+    q.push(entry("s0", t=0, user="small", prompt_tokens=1, interaction_id="s", interaction_stage=0))
+    assert [q.pop(0.0).facts.request_id for _ in range(2)] == ["w0", "s0"]
+    for i in range(1, 21):
+        q.push(entry(f"w{i}", t=1, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=1))
+        assert q.pop(1.0).facts.user == "wide"
+    q.push(entry("w21", t=2, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=2))
+    order = []
+    for k in range(6):  # newcomers lifted to the least active counter ("small"'s, 1)
+        q.push(entry(f"n{k}", t=3 + k, user=f"new{k}", prompt_tokens=1, interaction_id=f"n{k}", interaction_stage=0))
+        order.append(q.pop(3.0 + k).facts.request_id)
+    return svc, order
+
+
+def test_an_interaction_under_way_keeps_the_rank_it_started_at_ahead_of_users_placed_since():
+    """The tree was let in at counter 0; newcomers are placed at 1 (the least active counter):
+    its waiting leaf goes before them, though its user's counter (21) is far above.
+    Without the credit (least attained service) the leaf waits behind every newcomer."""
+    svc, order = _tree_then_newcomers(credit=128.0)
+    assert svc.get("wide") > 20 and order[0] == "w21"
+    _, order = _tree_then_newcomers(credit=0.0)
+    assert "w21" not in order
+
+
+def test_the_credit_bounds_how_far_below_its_users_standing_an_interaction_ranks():
+    """With a credit of 5 the tree ranks at its counter less 5 (17), still behind newcomers
+    at 1: one interaction, however long, takes at most that much at its old rank; with 30,
+    more than it has had, at its anchor."""
+    _, order = _tree_then_newcomers(credit=5.0)
+    assert "w21" not in order
+    _, order = _tree_then_newcomers(credit=30.0)
+    assert order[0] == "w21"
+
+
+def test_vtc_and_calls_outside_interactions_keep_their_users_standing():
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=60.0)
+    q = make_queue("wsc", service=svc)
+    for i in range(10):
+        q.push(entry(f"h{i}", t=0, user="heavy", prompt_tokens=1))
+        q.pop(0.0)
+    q.push(entry("h10", t=1, user="heavy", prompt_tokens=1))
+    q.push(entry("l0", t=1, user="light", prompt_tokens=1))
+    assert q.pop(1.0).facts.user == "light"  # no interaction: ranked by the standing now
+    assert make_queue("vtc").service.cfg.interaction_credit == 0
