@@ -109,7 +109,8 @@ class LBConfig:
     @classmethod
     def from_daemon_config(cls, path: str, **overrides) -> "LBConfig":
         """The scheduler-facing settings of a daemon config file: [routing], [pushing],
-        [queue] order, [probes] interval and early re-probe, [affinity], [peering] τ and policy."""
+        [queue] order, [fairness.wsc], [probes] interval and early re-probe, [affinity], [peering]
+        τ and policy."""
         from lb.daemon.config import load
         return cls.of(load(path), **overrides)
 
@@ -122,7 +123,8 @@ class LBConfig:
             max_probe_share=cfg.probes.max_probe_share, max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
             max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
             peer_forward=cfg.peering.forward, peer_forward_margin_s=cfg.peering.forward_margin_s,
-            peer_lighter_share=cfg.peering.lighter_share, affinity=cfg.affinity), **overrides})
+            peer_lighter_share=cfg.peering.lighter_share, affinity=cfg.affinity,
+            wsc=cfg.fairness.wsc if cfg.queue.order == "wsc" else None), **overrides})
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(pushing=self.pushing, max_outstanding=self.max_outstanding,

@@ -617,3 +617,16 @@ def test_programs_finished_count_only_programs_that_ran_whole():
     assert all(b <= 30.0 and a < b for a, b in programs.finished)
     complete = [tree for tree, done in calls.items() if len(done) == 15]  # 1 + 2 + 4 + 8 calls a tree
     assert len(programs.finished) == len(complete)
+
+
+def test_an_operators_lb_config_carries_its_fairness_settings_into_the_simulator(tmp_path):
+    """`sim-compare --lb-config FILE` runs `lb` with the file's [fairness.wsc] too (it had
+    dropped them: the simulated queue ran the defaults whatever the file said)."""
+    from bench.sim.model import LBConfig
+
+    path = tmp_path / "lb.toml"
+    path.write_text("[fairness.wsc]\ninteraction_credit = 0\nhalf_life_s = 15\n")
+    cfg = LBConfig.from_daemon_config(str(path))
+    assert (cfg.wsc.interaction_credit, cfg.wsc.half_life_s) == (0.0, 15.0)
+    path.write_text('[queue]\norder = "vtc"\n[fairness.wsc]\ninteraction_credit = 0\n')
+    assert LBConfig.from_daemon_config(str(path)).wsc is None  # vtc keeps the paper's counters
