@@ -126,3 +126,44 @@ def test_two_lbs_sharing_redis_enforce_one_limit(procs, tmp_path, redis_url):
     statuses = [chat(lb, body(), alice)[0] for lb in (lb1, lb2, lb1, lb2)]
     assert statuses == [200, 200, 200, 429]  # one window of 3 across both LBs
     assert chat(lb1, body(), {"x-lb-user": "bob"})[0] == 200
+
+
+def _tree_call_or_newcomers_first(procs, tmp_path, pool, toml: str) -> tuple[float, list[float]]:
+    """A tenant runs an interaction alone (6 calls with long prompts: far more service than
+    anyone), then the replica fills; its next call queues at the LB behind the blocker, then
+    three new tenants' first calls. When each finished: the interaction's call, the newcomers'."""
+    lb, _ = start_lb_with_emulator(procs, tmp_path, '[fairness.wsc]\nhalf_life_s = 0\n' + toml,
+                                   "--max-running", "1")
+    tree = {"x-lb-user": "tree", "x-lb-interaction-id": "tree-1"}
+    for stage in range(6):
+        assert chat(lb, body(max_tokens=32, words=200), {**tree, "x-lb-interaction-stage": str(min(stage, 1))})[0] == 200
+    blockers = saturate(pool, lb, 1, max_tokens=120)
+    done: dict[str, float] = {}
+
+    def timed(name: str, headers: dict) -> int:
+        status, _ = chat(lb, body(max_tokens=4), headers)
+        done[name] = time.monotonic()
+        return status
+
+    futs = [pool.submit(timed, "tree", {**tree, "x-lb-interaction-stage": "2"})]
+    poll(lambda: metric(lb.url, "lb_queue_length") == 1, what="the interaction's call to queue at the LB")
+    for k in range(3):
+        futs.append(pool.submit(timed, f"new{k}", {"x-lb-user": f"new{k}", "x-lb-interaction-id": f"n{k}",
+                                                    "x-lb-interaction-stage": "0"}))
+    poll(lambda: metric(lb.url, "lb_queue_length") == 4, what="the newcomers to queue behind it")
+    assert not any(f.done() for f in blockers)
+    assert [f.result()[0] for f in blockers] == [200] and [f.result() for f in futs] == [200] * 4
+    return done["tree"], [done[f"new{k}"] for k in range(3)]
+
+
+def test_an_interaction_under_way_keeps_its_rank_ahead_of_tenants_placed_since(procs, tmp_path, pool):
+    """Over HTTP, the interaction headers carry the anchor (`[fairness.wsc] interaction_credit`,
+    on by default): its call goes before three newcomers though its tenant has had far more
+    service; with the credit off (least attained service) it goes after all of them."""
+    tree, newcomers = _tree_call_or_newcomers_first(procs, tmp_path, pool, "")
+    assert tree < min(newcomers)
+    for p in reversed(procs):
+        p.stop()
+    procs.clear()
+    tree, newcomers = _tree_call_or_newcomers_first(procs, tmp_path, pool, "interaction_credit = 0\n")
+    assert tree > max(newcomers)
