@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import sys
 import time
 from collections import deque
@@ -177,7 +178,8 @@ class Bench:
 
     def __init__(self, targets: list[str], workload, *, model: str, clients: int,
                  duration: float | None, requests: int | None, time_scale: float,
-                 deadline: float, progress: bool, stream: bool = True, max_tokens: str | int = EXACT):
+                 deadline: float, progress: bool, stream: bool = True, max_tokens: str | int = EXACT,
+                 program_rate: float | None = None, seed: int = 0):
         self.send = send if stream else send_whole
         self.declared = max_tokens
         self.urls = itertools.cycle([t.rstrip("/") + "/v1/chat/completions" for t in targets])
@@ -188,6 +190,10 @@ class Bench:
         self.inflight: dict[asyncio.Task, RequestRecord] = {}
         self.completions: deque[float] = deque()
         self.t0 = 0.0
+        # programs arriving open loop (Poisson, each its own user) instead of closed-loop clients
+        self.program_rate, self.seed = program_rate, seed
+        self.programs_started = 0
+        self.finished: list[tuple[float, float]] = []  # (started, ended) of each program that ran whole
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -211,21 +217,48 @@ class Bench:
         for index in itertools.count():
             if not self.may_issue():
                 return
-            program = self.workload.program(client, index)
-            running: dict[asyncio.Task, RequestSpec] = {}
-            for spec in program.start():
-                if self.may_issue():
-                    running[self.issue(session, spec)] = spec
-            while running:
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    for spec in program.on_done(running.pop(task), task.result()):
-                        if not self.may_issue():
-                            continue
-                        if spec.delay_s > 0:  # a tool runs first (its time scaled as the engines')
-                            running[asyncio.ensure_future(self.issue_after(session, spec))] = spec
-                        else:
-                            running[self.issue(session, spec)] = spec
+            await self.run_program(session, self.workload.program(client, index))
+
+    async def run_program(self, session: aiohttp.ClientSession, program) -> None:
+        """One program to its end: its next requests go out as their parents answer. It ran
+        whole unless the run's end kept one of them from going out."""
+        started, cut = self.clock(), False
+        self.programs_started += 1
+        running: dict[asyncio.Task, RequestSpec] = {}
+        for spec in program.start():
+            cut |= not self.may_issue()
+            if self.may_issue():
+                running[self.issue(session, spec)] = spec
+        while running:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                spec = running.pop(task)
+                output = task.result()
+                cut |= output is None  # failed, or its tool ran past the run's end
+                for nxt in program.on_done(spec, output):
+                    cut |= not self.may_issue()
+                    if not self.may_issue():
+                        continue
+                    if nxt.delay_s > 0:  # a tool runs first (its time scaled as the engines')
+                        running[asyncio.ensure_future(self.issue_after(session, nxt))] = nxt
+                    else:
+                        running[self.issue(session, nxt)] = nxt
+        if not cut:
+            self.finished.append((started, self.clock()))
+
+    async def program_arrivals(self, session: aiohttp.ClientSession) -> None:
+        """Programs as Poisson arrivals at `program_rate` a second, each its own user (program
+        `i` of client `i`), as the simulator's `--load` drives them: past capacity the backlog
+        of new programs grows without bound, which closed-loop clients never build."""
+        rng = random.Random(f"{self.seed}/program-arrivals")
+        tasks = []
+        for i in itertools.count():
+            await asyncio.sleep(rng.expovariate(self.program_rate))
+            if not self.may_issue():
+                break
+            tasks.append(asyncio.ensure_future(self.run_program(session, self.workload.program(i, 0))))
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def issue_after(self, session: aiohttp.ClientSession, spec: RequestSpec) -> str | None:
         """`spec` sent once its tool has run; None (the program stops) when the run is over."""
@@ -266,6 +299,8 @@ class Bench:
             self.t0 = time.monotonic()
             if is_open_loop(self.workload):
                 drivers = [asyncio.ensure_future(self.open_loop(session, self.workload.arrivals()))]
+            elif self.program_rate:
+                drivers = [asyncio.ensure_future(self.program_arrivals(session))]
             else:
                 drivers = [asyncio.ensure_future(self.closed_client(session, c)) for c in range(self.clients)]
             ticker = asyncio.ensure_future(self.show_progress()) if self.progress else None
@@ -283,9 +318,21 @@ class Bench:
             if ticker:
                 ticker.cancel()
                 sys.stdout.write("\n")
-        return run_report(self.records, duration, self.duration, workload=self.workload.name, model=self.model,
-                          clients=self.clients if not is_open_loop(self.workload) else None,
-                          time_scale=self.time_scale), self.records
+        report = run_report(self.records, duration, self.duration, workload=self.workload.name, model=self.model,
+                            clients=self.clients if not (is_open_loop(self.workload) or self.program_rate) else None,
+                            program_rate=self.program_rate, time_scale=self.time_scale)
+        if not is_open_loop(self.workload):
+            report["programs"] = programs_summary(self.finished, self.programs_started, report["steady"]["from_s"],
+                                                  min(self.duration or duration, duration))
+        return report, self.records
+
+
+def programs_summary(finished: list[tuple[float, float]], started: int, warm_s: float, end_s: float) -> dict:
+    """Programs started, and those started after the warm-up that ran whole by `end_s`, per
+    second (the simulator's `programs_rps`)."""
+    n = sum(warm_s <= a and b <= end_s for a, b in finished)
+    return {"started": started, "finished": len(finished),
+            "finished_rps": n / (end_s - warm_s) if end_s > warm_s else None}
 
 
 async def discover_model(target: str) -> str:
@@ -301,7 +348,8 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
                     duration: float | None = None, requests: int | None = None, seed: int = 0,
                     model: str | None = None, time_scale: float = 1.0, deadline: float | None = None,
                     progress: bool = False, params: dict | None = None,
-                    stream: bool = True, max_tokens: str | int = EXACT) -> tuple[dict, list[RequestRecord]]:
+                    stream: bool = True, max_tokens: str | int = EXACT,
+                    program_rate: float | None = None) -> tuple[dict, list[RequestRecord]]:
     """Run one bounded workload; returns (run JSON, per-request records). Used by scenarios."""
     if duration is None and requests is None:
         requests = DEFAULT_REQUESTS
@@ -311,7 +359,7 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
     model = model or await discover_model(targets[0])
     bench = Bench(targets, workload, model=model, clients=clients, duration=duration,
                   requests=requests, time_scale=time_scale, deadline=deadline, progress=progress,
-                  stream=stream, max_tokens=max_tokens)
+                  stream=stream, max_tokens=max_tokens, program_rate=program_rate, seed=seed)
     result, records = await bench.run()
     result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, "stream": stream,
               "max_tokens": max_tokens, **result}
@@ -333,6 +381,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="base URL of an OpenAI-compatible server; repeat to round-robin")
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     parser.add_argument("--clients", type=int, default=8, help="closed-loop clients (default 8)")
+    parser.add_argument("--program-rate", type=float, metavar="R",
+                        help="programs (trees, conversations, sessions) arriving at R a second, Poisson, each "
+                             "its own user, instead of closed-loop clients: past capacity new programs pile "
+                             "up as in the simulator's --load; the run reports programs finished a second")
     parser.add_argument("--duration", type=float, help="stop issuing after S seconds")
     parser.add_argument("--requests", type=int, help=f"stop after N requests (default {DEFAULT_REQUESTS} "
                                                      "when --duration is absent)")
@@ -355,8 +407,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:  # a bad --param reads as one line naming it, before anything starts
-        make_workload(args.workload, seed=args.seed, **dict(args.param))
+        workload = make_workload(args.workload, seed=args.seed, **dict(args.param))
         max_tokens = check_max_tokens(args.max_tokens)
+        if args.program_rate is not None and (args.program_rate <= 0 or is_open_loop(workload)):
+            raise ValueError(f"--program-rate {args.program_rate}: wants a rate > 0 and a program workload "
+                             f"({args.workload} {'replays its own arrivals' if is_open_loop(workload) else 'is one'})")
     except (ValueError, TypeError) as e:
         print(f"lb-bench run: {e}", file=sys.stderr)
         return 2
@@ -369,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.workload, clients=args.clients, duration=args.duration,
         requests=args.requests, seed=args.seed, model=args.model, time_scale=args.time_scale,
         deadline=args.deadline, progress=sys.stdout.isatty(), params=dict(args.param),
-        stream=not args.no_stream, max_tokens=max_tokens))
+        stream=not args.no_stream, max_tokens=max_tokens, program_rate=args.program_rate))
     print(report_mod.format_run(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("cached-token ratio", "{:.3f}", ("cached_token_ratio",)),
 ]
 MS_ROWS = {"TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"}
+MAX_GROUPS_SHOWN = 40  # tenants or tiers listed one a line
 
 
 def _get(report: dict, path: tuple[str, ...]) -> float | None:
@@ -54,9 +55,17 @@ def format_run(report: dict) -> str:
     out = [f"workload {report.get('workload')} → {report.get('target')}", _table(["metric", "value"], rows)]
     if report.get("errors_by_kind"):
         out.append("errors: " + ", ".join(f"{k}={v}" for k, v in report["errors_by_kind"].items()))
+    programs = report.get("programs")
+    if programs:
+        rate = programs.get("finished_rps")
+        out.append(f"programs: {programs['started']} started, {programs['finished']} ran whole, "
+                   f"{'-' if rate is None else f'{rate:.2f}'}/s of those started after the warm-up")
     for group in ("per_tenant", "per_tier"):
-        if report.get(group):
-            out.append(format_groups(group, report[group]))
+        groups = report.get(group) or {}
+        if 0 < len(groups) <= MAX_GROUPS_SHOWN:
+            out.append(format_groups(group, groups))
+        elif groups:  # each program its own user (--program-rate): thousands of one-tree tenants
+            out.append(f"{group.replace('_', ' ')}: {len(groups)} groups, not listed (the run JSON has them)")
     return "\n".join(out)
 
 

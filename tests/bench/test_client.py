@@ -202,3 +202,25 @@ def test_reasoning_answers_come_back_as_long_as_the_workload_draws_them(tmp_path
     records = {r["request_id"]: r for r in map(json.loads, records_path.read_text().splitlines())}
     drawn = {f"reason-0-{d.i}": d.answer_tokens for d in itertools.islice(Reasoning(**params).draws(), 8)}
     assert {rid: r["output_tokens"] for rid, r in records.items()} == drawn
+
+
+def test_programs_arriving_open_loop_are_each_their_own_user_and_counted_when_whole(tmp_path, emulator):
+    """`--program-rate`: trees arrive as a Poisson stream, each its own user (as the simulator's
+    `--load` drives them), and the run reports how many ran whole."""
+    report, _ = bench_run(tmp_path, emulator, "--workload", "tot", "--program-rate", "4", "--duration", "3",
+                          "--param", "output_tokens=8")
+    programs = report["programs"]
+    assert 4 <= programs["started"] <= 30  # 12 expected
+    assert 0 < programs["finished"] <= programs["started"] and programs["finished_rps"] > 0
+    assert len(report["per_tenant"]) == programs["started"]  # one user a tree
+    assert report["errors"] == 0 and report["clients"] is None and report["program_rate"] == 4
+    trees = {}
+    for tenant, group in report["per_tenant"].items():
+        trees[tenant] = group["requests"]
+    assert sum(n == 15 for n in trees.values()) >= programs["finished"]  # a whole 2-branch tree: 15 calls
+
+
+def test_a_program_rate_needs_a_program_workload(tmp_path, emulator):
+    done = subprocess.run(lb_bench("run", "--target", emulator, "--workload", "azure-conv", "--program-rate", "2"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--program-rate 2.0" in done.stderr and "replays its own arrivals" in done.stderr
