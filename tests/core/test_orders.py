@@ -344,6 +344,8 @@ def test_orders_keep_every_entry_exactly_once_and_peek_is_the_head(name, ops):
             out.append(e)
         assert len(q) == len(queued)
         assert {id(e) for e in q.iter_in_order(150.0)} == {id(e) for e in queued}
+        if hasattr(q, "_interactive"):  # WSC/VTC: the calls naming an interaction are queued ones
+            assert all(calls and set(calls) <= set(q._by_user[u]) for u, calls in q._interactive.items())
     assert len({id(e) for e in out}) == len(out)
 
 
