@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from bench import report as report_mod
-from bench.stats import RequestRecord, run_report
+from bench.stats import RequestRecord, programs_finished_rps, run_report
 from bench.workloads import WORKLOADS, is_open_loop, make_workload
 from bench.workloads.base import EXACT, RequestSpec, check_max_tokens
 
@@ -226,9 +226,10 @@ class Bench:
         self.programs_started += 1
         running: dict[asyncio.Task, RequestSpec] = {}
         for spec in program.start():
-            cut |= not self.may_issue()
-            if self.may_issue():
-                running[self.issue(session, spec)] = spec
+            if not self.may_issue():
+                cut = True
+                continue
+            running[self.issue(session, spec)] = spec
         while running:
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -236,8 +237,8 @@ class Bench:
                 output = task.result()
                 cut |= output is None  # failed, or its tool ran past the run's end
                 for nxt in program.on_done(spec, output):
-                    cut |= not self.may_issue()
                     if not self.may_issue():
+                        cut = True
                         continue
                     if nxt.delay_s > 0:  # a tool runs first (its time scaled as the engines')
                         running[asyncio.ensure_future(self.issue_after(session, nxt))] = nxt
@@ -322,17 +323,10 @@ class Bench:
                             clients=self.clients if not (is_open_loop(self.workload) or self.program_rate) else None,
                             program_rate=self.program_rate, time_scale=self.time_scale)
         if not is_open_loop(self.workload):
-            report["programs"] = programs_summary(self.finished, self.programs_started, report["steady"]["from_s"],
-                                                  min(self.duration or duration, duration))
+            report["programs"] = {"started": self.programs_started, "finished": len(self.finished),
+                                  "finished_rps": programs_finished_rps(self.finished, report["steady"]["from_s"],
+                                                                        min(self.duration or duration, duration))}
         return report, self.records
-
-
-def programs_summary(finished: list[tuple[float, float]], started: int, warm_s: float, end_s: float) -> dict:
-    """Programs started, and those started after the warm-up that ran whole by `end_s`, per
-    second (the simulator's `programs_rps`)."""
-    n = sum(warm_s <= a and b <= end_s for a, b in finished)
-    return {"started": started, "finished": len(finished),
-            "finished_rps": n / (end_s - warm_s) if end_s > warm_s else None}
 
 
 async def discover_model(target: str) -> str:

@@ -121,6 +121,16 @@ def tenant_summary(by_tenant: dict[str, list[float]]) -> dict:
             "p90_worst_s": max(p90s) if p90s else None, "tenants": len(p90s)}
 
 
+def programs_finished_rps(finished: Sequence[tuple[float, float]], since: float, end: float) -> float | None:
+    """Programs (trees, conversations, agent sessions) started at `since` or later that ran whole
+    by `end`, per second of that window: the simulator's `programs_rps` and a live run's
+    `programs.finished_rps`. Past capacity a system can answer many calls and finish few
+    programs, and a program's user has nothing until it ends."""
+    if end <= since:
+        return None
+    return sum(since <= a and b <= end for a, b in finished) / (end - since)
+
+
 def steady_summary(records: Sequence[RequestRecord], duration_s: float, warm_share: float = WARM_SHARE) -> dict:
     """The run after its first `warm_share`: throughput counts the answers that ended inside
     [warm, duration], latencies and the cached ratio the requests sent after the warm-up that

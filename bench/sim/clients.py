@@ -83,8 +83,9 @@ class Programs:
     def _finished(self, program, spec: RequestSpec, region: str, on_end, done: Done) -> None:
         program.pending -= 1
         for nxt in program.on_done(spec, output_text(spec.request_id, done.output_tokens)):
-            program.cut |= not self.may_issue()
-            if self.may_issue():
+            if not self.may_issue():
+                program.cut = True
+            else:
                 program.pending += 1
                 if nxt.delay_s > 0:  # a tool runs first: the request leaves when it is done
                     self.arena.loop.at(self.arena.loop.now + nxt.delay_s, self._after_delay, program, nxt, region, on_end)
@@ -117,8 +118,9 @@ class Programs:
         self.programs_started += 1
         program.pending, program.cut, program.started_at = 0, False, self.arena.loop.now
         for spec in program.start():
-            program.cut |= not self.may_issue()
-            if self.may_issue():
+            if not self.may_issue():
+                program.cut = True
+            else:
                 program.pending += 1
                 self._send(program, spec, region, on_end)
         self._settle(program, on_end)

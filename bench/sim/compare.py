@@ -32,7 +32,7 @@ from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
 from bench.sim.workloads_sim import PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
-from bench.stats import steady_summary, tenant_summary
+from bench.stats import programs_finished_rps, steady_summary, tenant_summary
 from bench.systems import pick_names
 from bench.workloads.base import EXACT, check_max_tokens
 
@@ -115,11 +115,8 @@ def run_one(args: tuple) -> dict:
     ttft = np.array([d.ttft for d in ended if d.sent_at >= warm])
     waited = arena.waited(warm)  # also the requests still waiting at the end (Arena.waited)
     tenants = tenant_summary(arena.waited_by_user(warm))
-    # Programs (trees, conversations, agent sessions) started after the warm-up that ran whole
-    # by the end: past capacity a system can answer many calls and finish few programs (each
-    # started, none served to its end), and a program's user has nothing until it ends.
-    finished = getattr(driver, "finished", None)
-    programs = None if finished is None else sum(warm <= a and b <= duration_s for a, b in finished) / (duration_s - warm)
+    finished = getattr(driver, "finished", None)  # program workloads only (bench.sim.clients.Programs)
+    programs = None if finished is None else programs_finished_rps(finished, warm, duration_s)
     return {
         "system": system, "seed": seed,
         "throughput_rps": steady["throughput_rps"],

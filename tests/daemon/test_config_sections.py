@@ -49,6 +49,7 @@ BAD = [
     ({"fairness": {"user_rmp": 1}}, "fairness.user_rmp: unknown key; did you mean `user_rpm`?"),
     ({"fairness": {"user_rpm": "x"}}, "fairness.user_rpm: expected an integer"),
     ({"fairness": {"throttle": "maybe"}}, "fairness.throttle: 'maybe' is not one of none, oit, rpm"),
+    ({"fairness": {"wsc": {"interaction_credit": -1}}}, "fairness.wsc.interaction_credit: must be a number ≥ 0, got -1"),
     ({"tiers": {"default_teir": "iw-f"}}, "tiers.default_teir: unknown key; did you mean `default_tier`?"),
     ({"tiers": {"tau_n_s": "x"}}, "tiers.tau_n_s: expected a number"),
     ({"tiers": {"default_tier": "gold"}}, "tiers.default_tier: unknown tier 'gold' (iw-f, iw-n, niw)"),
