@@ -235,6 +235,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
     parser.add_argument("--systems", help="comma-separated systems to run (default: all; `--systems list` names "
                                           "them), e.g. lb,llm-d default-scorers")
+    parser.add_argument("--fleet-scale", type=int, default=1, metavar="K",
+                        help="run the workload on a fleet K times larger (every region's replicas K times over; "
+                             "capacity measured on that fleet, so --load keeps its meaning); also written "
+                             "WORKLOAD*K")
     parser.add_argument("--lb-config", metavar="FILE",
                         help=f"also run lb with this daemon config file (its [routing], [pushing], [queue], "
                              f"[probes], [affinity] and [peering] settings) as the system '{LB_FROM_FILE}': "
@@ -251,10 +255,24 @@ def run(args: argparse.Namespace) -> int:
         return 0 if args.list else 2
     if args.load <= 0:
         raise SystemExit("--load must be > 0 (a share of the fleet's capacity, e.g. 0.9)")
-    workload = get(args.workload)
+    name = args.workload
+    scale = getattr(args, "fleet_scale", 1)
+    if scale != 1:
+        if scale < 1:
+            raise SystemExit(f"--fleet-scale must be a whole number >= 1, got {scale}")
+        if "*" in name:
+            raise SystemExit(f"--fleet-scale: {name} names its scale already; give one or the other")
+        name = f"{name}*{scale}"
+    try:
+        workload = get(name)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if workload.runner is not None and "*" in name:
+        raise SystemExit(f"{name}: {name.partition('*')[0]} runs its own scenario; "
+                         "--fleet-scale applies to the suite's workloads")
     if workload.runner is not None:  # its own systems and columns (e.g. fairness)
         if getattr(args, "duration", None) is not None:
-            raise SystemExit(f"--duration does not apply to {args.workload} (its runs keep the live scenario's length)")
+            raise SystemExit(f"--duration does not apply to {name} (its runs keep the live scenario's length)")
         return workload.runner(args)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
     if seeds < 1:
@@ -278,23 +296,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--systems named none: give at least one (`--systems list` names them) or --lb-config")
     out = Path(args.out)
     wall = time.perf_counter()
-    capacity = capacity_for(args.workload, out)
+    capacity = capacity_for(name, out)
     loads = SWEEP if args.sweep else (args.load,)
     summaries = {}
     for load in loads:
         where = out / f"load-{load:g}" if args.sweep else out
-        summaries[load] = run_load(args.workload, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
+        summaries[load] = run_load(name, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
                                    workers=args.workers, out=where, stream=not args.no_stream, names=names,
                                    lb_file=lb_file, max_tokens=max_tokens)
         from bench.sim.compare_report import table
 
-        print(f"\n{args.workload}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
+        print(f"\n{name}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
               + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else "")
               + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot
 
-        sweep_plot(args.workload, summaries, out)
-    print(f"\n{args.workload}: done in {time.perf_counter() - wall:.1f} s of wall time -> {out}")
+        sweep_plot(name, summaries, out)
+    print(f"\n{name}: done in {time.perf_counter() - wall:.1f} s of wall time -> {out}")
     return 0

@@ -12,6 +12,7 @@ batch full, behind `lb`'s default configuration.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -110,9 +111,29 @@ def register(workload: Workload) -> Workload:
 
 
 def get(name: str) -> Workload:
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)} (lb-bench sim-compare --list)")
-    return WORKLOADS[name]
+    """A workload by name; "NAME*K" is NAME on a fleet K times larger (`scaled`)."""
+    base, star, times = name.partition("*")
+    if base not in WORKLOADS:
+        raise ValueError(f"unknown workload {base!r}; choose from {', '.join(WORKLOADS)} (lb-bench sim-compare --list)")
+    if not star:
+        return WORKLOADS[base]
+    if not times.isdigit() or int(times) < 1:
+        raise ValueError(f"{name!r}: the fleet's scale after '*' must be a whole number >= 1, e.g. {base}*4")
+    return scaled(WORKLOADS[base], int(times))
+
+
+def scaled(w: Workload, k: int) -> Workload:
+    """`w` on a fleet `k` times larger: every region (and its slow replicas) k times over, the
+    same engines, latencies and client model. Load is a share of the capacity measured on that
+    fleet, so arrivals scale with it. A fleet of 4 is no operator's fleet: a policy that wins
+    there has to keep winning when a fan-out can spread over 16 replicas and every decision
+    scores four times as many."""
+    if k == 1:
+        return w
+    regions = tuple(dataclasses.replace(r, replicas=r.replicas * k, slow_replicas=r.slow_replicas * k)
+                    for r in w.fleet.regions)
+    return dataclasses.replace(w, name=f"{w.name}*{k}", fleet=dataclasses.replace(w.fleet, regions=regions),
+                               description=f"{w.description}; the fleet x{k} ({sum(r.replicas for r in regions)} replicas)")
 
 
 # -- open-loop traces ---------------------------------------------------------------------

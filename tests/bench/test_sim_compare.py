@@ -630,3 +630,35 @@ def test_an_operators_lb_config_carries_its_fairness_settings_into_the_simulator
     assert (cfg.wsc.interaction_credit, cfg.wsc.half_life_s) == (0.0, 15.0)
     path.write_text('[queue]\norder = "vtc"\n[fairness.wsc]\ninteraction_credit = 0\n')
     assert LBConfig.from_daemon_config(str(path)).wsc is None  # vtc keeps the paper's counters
+
+
+def test_a_workload_runs_on_a_fleet_k_times_larger_with_its_capacity_measured_there(tmp_path, monkeypatch):
+    """`--fleet-scale K` (or WORKLOAD*K): every region K times over, the capacity measured on
+    that fleet (so --load keeps its meaning) and kept apart from the small fleet's."""
+    from bench.sim import compare, workloads_sim
+
+    monkeypatch.setattr(workloads_sim.WORKLOADS["regions"], "duration_s", 15.0)
+    big = workloads_sim.get("regions*3")
+    assert [(r.name, r.replicas) for r in big.fleet.regions] == [("us", 6), ("eu", 6), ("asia", 6)]
+    assert big.fleet.latency_ms == workloads_sim.get("regions").fleet.latency_ms
+    assert workloads_sim.get("heterogeneous*2").fleet.regions[0].slow_replicas == 4
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0,
+                                      systems="lb", lb_config=None, fleet_scale=2)
+    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)
+    assert compare.run(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workload"] == "tot*2"
+    engines = json.loads((tmp_path / "engines.json").read_text())
+    assert [r["replica"] for r in engines[0]["replicas"]] == [f"local/{i}" for i in range(1, 9)]
+    assert sum(r["requests"] > 0 for r in engines[0]["replicas"]) == 8
+    capacities = json.loads((tmp_path / "capacity.json").read_text())
+    assert list(capacities) == ["tot*2@15s"]
+    assert capacities["tot*2@15s"] > 1.5 * compare.measure_capacity("tot", 15.0)  # twice the engines
+
+    for bad, says in (({"fleet_scale": 0}, "--fleet-scale must be a whole number >= 1, got 0"),
+                      ({"workload": "tot*2"}, "names its scale already"),
+                      ({"workload": "fairness"}, "runs its own scenario"),
+                      ({"workload": "tot*x", "fleet_scale": 1}, r"'tot\*x': the fleet's scale after '\*' must be")):
+        with pytest.raises(SystemExit, match=says):
+            compare.run(compare.argparse.Namespace(**{**vars(args), **bad}))
