@@ -148,12 +148,15 @@ def test_a_long_answer_waits_for_its_cache_no_longer_than_max_bypass_when_a_peer
 
 def test_a_peer_holding_less_than_min_gain_but_more_than_half_of_it_is_followed():
     """The tries hold prompts, not answers, and a split tree pays on every later call: the
-    cross-region threshold is half `min_gain` (0.25 of the prompt by default)."""
+    cross-region threshold is half `min_gain` (0.175 of the prompt by default)."""
     s, busy = setup()
     r = router_with_root_in("eu", prompt_tokens=400)
-    longer = RequestFacts("c1", "m", prompt=CONTEXT + " a long new step of reasoning " * 170, prompt_tokens=1000)
+    gain = s.affinity.cfg.min_gain
+    step = " a long new step of reasoning "
+    longer = RequestFacts("c1", "m", prompt=CONTEXT + step * round(len(CONTEXT) * (1 / (0.75 * gain) - 1) / len(step)),
+                          prompt_tokens=1000)
     share = len(CONTEXT) / len(longer.prompt)
-    assert 0.3 < share < s.affinity.cfg.min_gain  # eu holds ~40 % of it, nothing local does
+    assert gain / 2 + 0.05 < share < gain  # eu holds ~3/4 of min_gain of it, nothing local does
     admit(s, longer, 1)
     (p,) = s.schedule(NOW, [busy], peers(r, eu=0, asia=1))
     assert (p.kind, p.target, p.reason) == (Kind.PEER, "eu", "peer-prefix")

@@ -11,6 +11,7 @@ import time
 import aiohttp
 import pytest
 
+from lb.core.affinity import AffinityConfig
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
 
 pytestmark = needs_emulator
@@ -129,6 +130,6 @@ def test_a_conversations_next_turn_waits_for_the_replica_holding_its_last_answer
     (holder, served_by, sizes), access = two_replicas_behind_lb(tmp_path, 30.0, conversation)  # the default policy
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
-    # what the trie alone knows of the holder is under half the prompt (min_gain): the answer is the rest
-    assert second["matched_blocks"] < 0.5 * second["prompt_blocks"], second
+    # what the trie alone knows of the holder is under `min_gain` of the prompt: the answer is the rest
+    assert second["matched_blocks"] < AffinityConfig().min_gain * second["prompt_blocks"], second
     assert served_by == holder

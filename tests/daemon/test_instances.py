@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lb.core.affinity import AffinityConfig
 from tests.daemon.conftest import http_json, needs_emulator, start_emulator, start_lb
 from tests.daemon.test_affinity_hold import conversation
 from tests.procs import metric, poll
@@ -147,5 +148,5 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
     access = [json.loads(x) for x in b.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
-    assert second["matched_blocks"] < 0.5 * second["prompt_blocks"], second  # the prompt alone would not hold it
+    assert second["matched_blocks"] < AffinityConfig().min_gain * second["prompt_blocks"], second  # the prompt alone would not hold it
     assert served_by == holder
