@@ -35,6 +35,11 @@ class HealthTracker:
                 self.healthy = False
         return self.healthy
 
+    @property
+    def steady(self) -> bool:
+        """Healthy, and its last probe answered: nothing about its health is in doubt."""
+        return self.healthy and self._fails == 0
+
     def mark_down(self) -> None:
         """A hard failure on the request path (connection refused): out at once."""
         self.healthy = False

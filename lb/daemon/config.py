@@ -118,6 +118,10 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class ProbeConfig:
     interval_s: float = 0.1
+    # a replica with no work on it (none of this LB's requests, nothing running or waiting at its
+    # last probe) and a clean health record is probed every this many intervals: 1 probes every
+    # replica every interval (lb.core.pushing.probe_gap)
+    idle_intervals: int = 5
     timeout_s: float = 0.5
     unhealthy_after: int = 3  # consecutive failed probes
     healthy_after: int = 2  # consecutive good probes to come back
@@ -268,6 +272,9 @@ def _check(cfg: Config) -> None:
     positive("probes.unhealthy_after", cfg.probes.unhealthy_after)
     positive("probes.healthy_after", cfg.probes.healthy_after)
     positive("probes.redetect_s", cfg.probes.redetect_s)
+    if not isinstance(cfg.probes.idle_intervals, int) or cfg.probes.idle_intervals < 1:
+        raise ConfigError(f"probes.idle_intervals: must be a whole number >= 1 (1: probe idle replicas every "
+                          f"interval too), got {cfg.probes.idle_intervals!r}")
     if not 0 < cfg.probes.max_probe_share <= 1:
         raise ConfigError(f"probes.max_probe_share: must be in (0, 1] (a share of the replica's time), "
                           f"got {cfg.probes.max_probe_share}")

@@ -24,7 +24,7 @@ import orjson
 from lb.core.engines import (LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
                              engine_from_answers)
 from lb.core.loadparse import EngineLoad
-from lb.core.pushing import early_probe_delay, note_preemptions, settle_probe
+from lb.core.pushing import early_probe_delay, note_preemptions, probe_gap, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.tls import upstream_ssl
@@ -84,8 +84,9 @@ class Prober:
             except Exception:  # a probe must never kill its loop
                 log.exception("probe of %s crashed", rep.id)
             ended = loop.time()
-            next_at = started + self.cfg.interval_s
-            while (remaining := next_at - loop.time()) > 0:
+            # the gap is asked again each interval: an idle replica that gets work is probed
+            # at the fast pace from then on, not after the idle gap
+            while (remaining := started + self._gap(rep) - loop.time()) > 0:
                 if rep.reprobe.is_set():
                     # Give the pushed request time to reach the engine's scheduler first, and
                     # the engine time of its own between probes.
@@ -93,9 +94,13 @@ class Prober:
                         self.cfg.early_reprobe_s, ended - started, loop.time() - ended, self.cfg.max_probe_share)))
                     break
                 try:
-                    await asyncio.wait_for(rep.reprobe.wait(), remaining)
+                    await asyncio.wait_for(rep.reprobe.wait(), min(remaining, self.cfg.interval_s))
                 except TimeoutError:
-                    break
+                    pass
+
+    def _gap(self, rep: Replica) -> float:
+        steady = rep.health.steady and rep.models_known and not rep.view.engine == "auto"
+        return probe_gap(rep.view, self.cfg.interval_s, self.cfg.idle_intervals, steady)
 
     async def _get(self, rep: Replica, path: str) -> bytes:
         assert self.session is not None

@@ -68,3 +68,15 @@ def test_burst_onto_idle_replicas_spreads_and_never_stalls():
     assert sum(placed.values()) == 100
     assert max(placed.values()) - min(placed.values()) <= 4  # no pile-up beyond one credit
     assert rounds == 7  # ceil(100 / (4 replicas * 4 credit))
+
+
+def test_an_idle_replica_with_a_clean_record_is_probed_less_often():
+    from lb.core.pushing import probe_gap
+    idle = ReplicaView(id="a", url="")
+    assert probe_gap(idle, 0.1, 5, steady=True) == pytest.approx(0.5)
+    assert probe_gap(idle, 0.1, 1, steady=True) == pytest.approx(0.1)  # idle_intervals = 1: as before
+    assert probe_gap(idle, 0.1, 5, steady=False) == 0.1  # a failed probe or health in doubt: fast
+    for busy in (ReplicaView(id="a", url="", outstanding=1),  # this LB's request on it
+                 ReplicaView(id="a", url="", running=3),  # another client's batch, seen by the last probe
+                 ReplicaView(id="a", url="", pending=2)):
+        assert probe_gap(busy, 0.1, 5, steady=True) == 0.1

@@ -26,6 +26,8 @@ def test_example_config_loads():
     ({"probes": {"interval_s": "fast"}}, "probes.interval_s: expected a number"),
     ({"probes": {"interval_s": 0}}, "probes.interval_s: must be > 0"),
     ({"probes": {"max_probe_share": 1.5}}, "probes.max_probe_share: must be in (0, 1]"),
+    ({"probes": {"idle_intervals": 0}}, "probes.idle_intervals: must be a whole number >= 1"),
+    ({"probes": {"idle_intervals": 2.5}}, "probes.idle_intervals"),
     ({"pushing": {"mode": "eager"}}, "pushing.mode: 'eager' is not allowed"),
     ({"servr": {}}, "servr: unknown section; did you mean `server`?"),
 ])
