@@ -215,10 +215,12 @@ def record_push(view: ReplicaView, tokens: int, now: float) -> None:
         log.popleft()
 
 
-def probe_gap(view: ReplicaView, interval_s: float, idle_intervals: int, steady: bool) -> float:
+def probe_gap(view: ReplicaView, interval_s: float, idle_intervals: int, *, health_steady: bool,
+              models_known: bool) -> float:
     """How long after a probe started the next one is due. Every `interval_s` while the replica
     has work (this LB's requests on it, or a batch or queue its last probe saw: another LB's or
-    a direct client's) or its health is in doubt (`steady`: healthy, last probe answered), since
+    a direct client's) or anything about it is in doubt (its health: `HealthTracker.steady`; its
+    models, or its engine while `auto` is still undetected), since
     selective pushing decides on what the probes say; every `idle_intervals` intervals while it
     sits idle. At 100 ms an idle `lb` spent 5-6 ms of CPU a second per replica on probes
     (aiohttp's client ~40 % of it, py-spy), a third of a core at 64 replicas before any request.
@@ -228,7 +230,8 @@ def probe_gap(view: ReplicaView, interval_s: float, idle_intervals: int, steady:
     The simulator probes on its grid as before: there `lb` is the engines' only client, so an
     idle replica's view cannot go stale and its figures are the same either way."""
     busy = view.outstanding > 0 or view.pending > 0 or view.running > 0
-    return interval_s if busy or not steady else interval_s * idle_intervals
+    settled = health_steady and models_known and view.engine != "auto"
+    return interval_s if busy or not settled else interval_s * idle_intervals
 
 
 def early_probe_delay(early_reprobe_s: float, probe_s: float, since_probe_s: float, max_share: float) -> float:

@@ -99,8 +99,8 @@ class Prober:
                     pass
 
     def _gap(self, rep: Replica) -> float:
-        steady = rep.health.steady and rep.models_known and not rep.view.engine == "auto"
-        return probe_gap(rep.view, self.cfg.interval_s, self.cfg.idle_intervals, steady)
+        return probe_gap(rep.view, self.cfg.interval_s, self.cfg.idle_intervals,
+                         health_steady=rep.health.steady, models_known=rep.models_known)
 
     async def _get(self, rep: Replica, path: str) -> bytes:
         assert self.session is not None

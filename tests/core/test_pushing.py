@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lb.core.pushing import is_available
+from lb.core.pushing import is_available, probe_gap
 from lb.core.types import Pushing, ReplicaView
 
 
@@ -71,12 +71,15 @@ def test_burst_onto_idle_replicas_spreads_and_never_stalls():
 
 
 def test_an_idle_replica_with_a_clean_record_is_probed_less_often():
-    from lb.core.pushing import probe_gap
-    idle = ReplicaView(id="a", url="")
-    assert probe_gap(idle, 0.1, 5, steady=True) == pytest.approx(0.5)
-    assert probe_gap(idle, 0.1, 1, steady=True) == pytest.approx(0.1)  # idle_intervals = 1: as before
-    assert probe_gap(idle, 0.1, 5, steady=False) == 0.1  # a failed probe or health in doubt: fast
-    for busy in (ReplicaView(id="a", url="", outstanding=1),  # this LB's request on it
-                 ReplicaView(id="a", url="", running=3),  # another client's batch, seen by the last probe
-                 ReplicaView(id="a", url="", pending=2)):
-        assert probe_gap(busy, 0.1, 5, steady=True) == 0.1
+    def gap(view, idle_intervals=5, health_steady=True, models_known=True):
+        return probe_gap(view, 0.1, idle_intervals, health_steady=health_steady, models_known=models_known)
+    idle = ReplicaView(id="a", url="", engine="sglang")
+    assert gap(idle) == pytest.approx(0.5)
+    assert gap(idle, idle_intervals=1) == pytest.approx(0.1)  # idle_intervals = 1: as before
+    assert gap(idle, health_steady=False) == 0.1  # a failed probe or health in doubt: fast
+    assert gap(idle, models_known=False) == 0.1  # its models not yet read
+    assert gap(ReplicaView(id="a", url="", engine="auto")) == 0.1  # its engine not yet detected
+    for busy in (ReplicaView(id="a", url="", engine="sglang", outstanding=1),  # this LB's request on it
+                 ReplicaView(id="a", url="", engine="sglang", running=3),  # another client's batch, seen by the last probe
+                 ReplicaView(id="a", url="", engine="sglang", pending=2)):
+        assert gap(busy) == 0.1
