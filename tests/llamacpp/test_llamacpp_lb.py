@@ -167,6 +167,12 @@ def burst_through_lb(servers: list[LlamaServer], pushing: str, burst: int, max_t
     return sampler
 
 
+# Long enough that a round of generation outlasts the burst's arrival: on a busy 2-core CI
+# machine 40 client threads took long enough to send that with 800 tokens the first round
+# was finishing before the last requests arrived, and the piles never reached their size.
+GENERATED = 1600
+
+
 def test_selective_pushing_holds_the_excess_in_lb(idle_servers):
     """A burst of 5x the total slots. sp-pending: each llama-server's deferred queue stays
     within the push credit (the unseen pushes lb allows between two probes of an engine that
@@ -176,8 +182,8 @@ def test_selective_pushing_holds_the_excess_in_lb(idle_servers):
     slots = SLOTS * len(servers)
     burst, excess = 5 * slots, 4 * slots
 
-    sp = burst_through_lb(servers, "sp-pending", burst, max_tokens=800)
-    bp = burst_through_lb(servers, "blind", burst, max_tokens=800)
+    sp = burst_through_lb(servers, "sp-pending", burst, max_tokens=GENERATED)
+    bp = burst_through_lb(servers, "blind", burst, max_tokens=GENERATED)
 
     print(f"\nburst {burst} onto {slots} slots; peak deferred per llama-server: "
           f"sp-pending {sp.peak_each}, blind {bp.peak_each}; "
