@@ -95,6 +95,7 @@ class LBConfig:
     max_outstanding: int = _DAEMON.pushing.max_outstanding
     push_credit: int = _DAEMON.pushing.push_credit
     max_unseen: int = _DAEMON.pushing.max_unseen
+    lease_s: float = _DAEMON.pushing.lease_s  # lb.core.leases
     forward: bool = True  # cross-region forwarding to peers (the daemon forwards when it has peers)
     peer_queue_tau: int = _DAEMON.peering.tau  # a peer is available only with its queue at most this long
     peer_policy: str = _DAEMON.peering.policy  # which available peer takes a forward (lb.core.peering.PeerRouter)
@@ -121,14 +122,15 @@ class LBConfig:
             policy=cfg.routing.policy, policy_options=dict(cfg.routing.options), pushing=cfg.pushing.mode,
             queue=cfg.queue.order, probe_interval_s=cfg.probes.interval_s, early_reprobe_s=cfg.probes.early_reprobe_s,
             max_probe_share=cfg.probes.max_probe_share, max_outstanding=cfg.pushing.max_outstanding, push_credit=cfg.pushing.push_credit,
-            max_unseen=cfg.pushing.max_unseen, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
+            max_unseen=cfg.pushing.max_unseen, lease_s=cfg.pushing.lease_s, peer_queue_tau=cfg.peering.tau, peer_policy=cfg.peering.policy,
             peer_forward=cfg.peering.forward, peer_forward_margin_s=cfg.peering.forward_margin_s,
             peer_lighter_share=cfg.peering.lighter_share, affinity=cfg.affinity,
             wsc=cfg.fairness.wsc if cfg.queue.order == "wsc" else None), **overrides})
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(pushing=self.pushing, max_outstanding=self.max_outstanding,
-                               push_credit=self.push_credit, max_unseen=self.max_unseen, affinity=self.affinity)
+                               push_credit=self.push_credit, max_unseen=self.max_unseen, lease_s=self.lease_s,
+                               affinity=self.affinity)
 
 
 class SimReplica:

@@ -105,6 +105,8 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
         return False
     if _over_learned_cap(view, unseen) or _slow_start_full(view, unseen):
         return False
+    if view.leased_tokens and view.pushed_tokens_since_probe >= view.kv_free_tokens - view.leased_tokens:
+        return False  # what is left is the cache the interactions under way come back for (lb.core.leases)
     floor = OVERCOMMIT_UNSEEN if view.overcommits else 1
     return unseen < floor or view.pushed_tokens_since_probe < view.kv_free_tokens
 

@@ -64,6 +64,7 @@ from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
+from lb.core.leases import DEFAULT_LEASE_S, KvLeases
 from lb.core.length_model import LengthModel
 from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
                              holder_peer, lighter_peer, local_or_peer, may_lighten, peer_available, predicted_peer)
@@ -103,6 +104,7 @@ class SchedulerConfig:
     push_credit: int = DEFAULT_PUSH_CREDIT
     max_unseen: int = DEFAULT_MAX_UNSEEN
     decode_reserve: int = DEFAULT_DECODE_RESERVE  # KV a push is held to take beyond its prompt
+    lease_s: float = DEFAULT_LEASE_S  # an interaction's context is kept out of SP-P's headroom this long between calls
     affinity: AffinityConfig = AffinityConfig()
     max_queue: int | None = None  # admit() rejects beyond this many waiting; None: unbounded
 
@@ -205,6 +207,7 @@ class Scheduler:
         self.queue = queue
         self.affinity = AffinityScheduler(cfg.affinity, policy.prefix_memory, LengthModel())
         self.bytes_per_token = BytesPerToken()  # what an engine's KV size in tokens is in trie blocks
+        self.leases = KvLeases(cfg.lease_s)  # contexts interactions under way come back for
         self.reconfigure(cfg)
         self.closed = False
         self._waiting: dict[str, int] = {}  # model → entries queued (kept as they come and go)
@@ -217,6 +220,7 @@ class Scheduler:
         self.cfg = cfg
         self.mode = Pushing(cfg.pushing)
         self.affinity.cfg = cfg.affinity
+        self.leases.ttl_s = cfg.lease_s
 
     # -- the queue ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -236,6 +240,7 @@ class Scheduler:
             return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
         self.queue.push(entry)
         self._count(entry, 1)
+        self.leases.arrived(entry.facts)
         return None
 
     def withdraw(self, entry: QueueEntry) -> bool:
@@ -264,6 +269,7 @@ class Scheduler:
         """A replica answered a placed request: what it took feeds the policy's learned rates,
         and the prompt tokens it counted (when it says) the bytes a token takes here."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
+        self.leases.answered(facts, target_id, prompt_tokens or facts.prompt_tokens, output_tokens, now)
         if output_tokens >= 1:
             self.affinity.lengths.observe(facts, output_tokens)
             if self.affinity.memory is not None:
@@ -279,6 +285,7 @@ class Scheduler:
     def ended(self, request_id: str) -> None:
         """A placed request ended (answered, failed, cancelled): nothing of it is ahead now."""
         self.backlog.ended(request_id)
+        self.leases.ended(request_id)
 
     def answering(self, target_id: str) -> int:
         """The target's placed requests whose first token came back and that have not ended:
@@ -320,6 +327,7 @@ class Scheduler:
     def forget(self, target_id: str) -> None:
         self.policy.forget(target_id)
         self.backlog.forget(target_id)
+        self.leases.forget(target_id)
 
     def available(self, view: ReplicaView) -> bool:
         """May one more request be pushed to `view` now (pushing mode and its headroom)?"""
@@ -348,7 +356,11 @@ class Scheduler:
         self.backlog.expire(now)  # non-streamed pushes past their predicted TTFT
         if not len(self.queue):
             return []
-        p = _Pass(self, list(targets), now)
+        targets = list(targets)
+        leases = self.leases
+        for t in targets:  # SP-P's headroom leaves them out (lb.core.pushing.has_headroom)
+            t.view.leased_tokens = leases.leased(t.view.id, now)
+        p = _Pass(self, targets, now)
         peers_open = peers is not None and peers.open(now)
         waiting = [m for m, n in self._waiting.items() if n]
         memory = self.affinity.memory
@@ -458,6 +470,7 @@ class Scheduler:
         facts = entry.facts
         self._take(entry)
         record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now)
+        self.leases.placed(facts)
         predicted = self.policy.last.predicted_ttft_s
         if facts.stream:  # its first event will say when its prefill is done
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now)

@@ -69,6 +69,9 @@ class ReplicaView:
     overcommits: bool = False
     probe_s: float = 0.0  # how long its last probe took (what one costs the engine; lb.core.scheduler.wants_probe)
     pushed_tokens_since_probe: int = 0
+    # KV tokens of the contexts interactions under way will come back for, leased here between
+    # their calls (lb.core.leases; the scheduler sets it each pass): not room for new work
+    leased_tokens: int = 0
     # engine reports its own waiting queue (False for a plain OpenAI server: LB counts only)
     reports_pending: bool = True
     draining: bool = False  # removed by admin/reload: finish in-flight, take nothing new

@@ -24,6 +24,7 @@ from lb.core.engines import REDETECT_S
 from lb.core.admission import AdmissionConfig
 from lb.core.affinity import AffinityConfig
 from lb.core.breaker import BreakerConfig
+from lb.core.leases import DEFAULT_LEASE_S
 from lb.core.budgets import BudgetConfig
 from lb.core.coalesce import coalesce_config
 from lb.core.cors import origin_problem
@@ -140,6 +141,10 @@ class PushingConfig:
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING  # sp-outstanding, and sp-pending over engines without a queue probe
     push_credit: int = DEFAULT_PUSH_CREDIT  # sp-pending: unseen pushes to an engine that does not report its KV room
     max_unseen: int = DEFAULT_MAX_UNSEEN  # sp-pending: unseen pushes to one replica at most, whatever its room
+    # sp-pending: an answered call of an interaction under way (x-lb-interaction-id without
+    # x-lb-final-call, else x-lb-session) keeps its context out of the replica's headroom until
+    # its next call arrives, at most this long (lb.core.leases); 0: off
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,8 @@ def _check(cfg: Config) -> None:
     positive("pushing.max_outstanding", cfg.pushing.max_outstanding)
     positive("pushing.push_credit", cfg.pushing.push_credit)
     positive("pushing.max_unseen", cfg.pushing.max_unseen)
+    if cfg.pushing.lease_s < 0:
+        raise ConfigError(f"pushing.lease_s: must be >= 0 seconds (0 turns leases off), got {cfg.pushing.lease_s}")
     positive("upstream.connect_timeout_s", cfg.upstream.connect_timeout_s)
     positive("upstream.read_timeout_s", cfg.upstream.read_timeout_s)
     positive("upstream.first_byte_timeout_s", cfg.upstream.first_byte_timeout_s)

@@ -28,7 +28,8 @@ DIRECT_CHOICE = Decision(None, "direct")
 def scheduler_config(cfg: Config) -> SchedulerConfig:
     p = cfg.pushing
     return SchedulerConfig(pushing=p.mode, max_outstanding=p.max_outstanding, push_credit=p.push_credit,
-                           max_unseen=p.max_unseen, affinity=cfg.affinity, max_queue=cfg.queue.max_len)
+                           max_unseen=p.max_unseen, lease_s=p.lease_s, affinity=cfg.affinity,
+                           max_queue=cfg.queue.max_len)
 
 
 class Dispatcher:
@@ -75,6 +76,10 @@ class Dispatcher:
 
     def available(self, view: ReplicaView) -> bool:
         return self.scheduler.available(view)
+
+    def leased(self, view: ReplicaView) -> int:
+        """KV tokens leased on the replica now (lb.core.leases)."""
+        return self.scheduler.leases.leased(view.id, time.monotonic())
 
     @property
     def cfg(self) -> Config:

@@ -25,7 +25,8 @@ REMOVED = "removed"  # target label of a request that finished after its replica
 
 
 class Metrics:
-    def __init__(self, views: Callable[[], list], available: Callable[[object], bool]):
+    def __init__(self, views: Callable[[], list], available: Callable[[object], bool],
+                 leased: Callable[[object], int]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("lb_requests", "Requests answered, by route, model, status, policy and target",
@@ -59,7 +60,7 @@ class Metrics:
         self.loop_lag = Histogram("lb_event_loop_lag_seconds",
                                   "How late the event loop ran a timer due every 50 ms (lb.daemon.loopwatch)",
                                   buckets=LAG_BUCKETS, registry=r)
-        r.register(_ReplicaCollector(views, available))
+        r.register(_ReplicaCollector(views, available, leased))
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, fds
         # metrics labelled by a replica id, and that label's name
         self._by_replica = ((self.requests, "target"), (self.prompt_tokens, "target"), (self.cached_tokens, "target"),
@@ -116,9 +117,11 @@ class Metrics:
 
 
 class _ReplicaCollector:
-    def __init__(self, views: Callable[[], list], available: Callable[[object], bool]):
+    def __init__(self, views: Callable[[], list], available: Callable[[object], bool],
+                 leased: Callable[[object], int]):
         self.views = views
         self.available = available
+        self.leased = leased
 
     def describe(self):
         return []
@@ -135,6 +138,9 @@ class _ReplicaCollector:
             "overcommits": GaugeMetricFamily("lb_replica_overcommits", "1 once its engine was seen to preempt: it admits "
                                              "past its free KV, and selective pushing allows it a floor of unseen pushes",
                                              labels=["replica"]),
+            "leased": GaugeMetricFamily("lb_replica_leased_tokens", "KV tokens of contexts that interactions under way "
+                                        "will come back for, kept out of selective pushing's headroom (lb.core.leases)",
+                                        labels=["replica"]),
             "engine": GaugeMetricFamily("lb_replica_engine", "1 for the engine the replica runs, configured or detected "
                                         "(auto until its first answer)", labels=["replica", "engine"]),
         }
@@ -147,5 +153,6 @@ class _ReplicaCollector:
             fams["available"].add_metric([v.id], 1.0 if self.available(v) else 0.0)
             fams["draining"].add_metric([v.id], 1.0 if v.draining else 0.0)
             fams["overcommits"].add_metric([v.id], 1.0 if v.overcommits else 0.0)
+            fams["leased"].add_metric([v.id], self.leased(v))
             fams["engine"].add_metric([v.id, v.engine], 1.0)
         return list(fams.values())

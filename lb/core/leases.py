@@ -1,0 +1,132 @@
+"""KV leases: the cache an interaction under way will come back for, kept out of SP-P's headroom.
+
+An agent's step or a conversation's turn ends; its next call comes a moment later (the tool
+runs, the user types) and continues the context the replica just computed. Between the two
+that context is evictable cache, which an engine counts as free room (SGLang's
+`/v1/loads` available tokens, vLLM's free blocks) and which SP-P's headroom counted as room
+too. Past capacity `lb` then filled it with other requests: the engines ran more at once than
+they do when they queue for themselves, evicted the contexts of the sessions in their tool
+calls, and the next steps recomputed them. Agent sessions on 16 replicas at 1.3x capacity
+(simulator, docs/results.md): 11.1 requests running per replica against 9.6 for a hash ring
+whose engines queue, 0.48 of prompt tokens cached against 0.66, 0.88x its throughput and
+0.74x the sessions finished; at 1.1x capacity `lb` was 1.09x it.
+
+So a call of an interaction that is not its last (`x-lb-interaction-id` without
+`x-lb-final-call`, else a `x-lb-session`) leases, when answered with no other call of the
+interaction in flight, its prompt and answer tokens on the replica that answered it. (A tree's
+call that ends while its siblings run leases nothing: their shared context is in use, not
+evictable, and counted out of the free KV already; leasing it too cost Mixed Tree 3 % of its
+throughput at 1.3x capacity.) The lease ends when the interaction's next call arrives (it is
+then in the queue, and the cache affinity places it) or after `ttl_s`: a session that does not
+come back within that stops holding room. SP-P's headroom on a replica is its free KV less
+what is leased there (`lb.core.pushing.has_headroom`). Below capacity the free KV dwarfs the
+leases and nothing changes; near it, new work waits in the LB queue instead of evicting the
+contexts the next calls need.
+
+Pure: the scheduler passes `now`; bounded per replica.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from lb.core.types import RequestFacts
+
+# How long a lease holds room for the interaction's next call: an agent's tool call or a chat
+# turn's reply usually comes within seconds; one that takes longer finds its context if no
+# other work needed the room meanwhile. 0 turns leases off.
+DEFAULT_LEASE_S = 5.0
+# Leases one replica keeps at most (the oldest end first): more interactions than this waiting
+# on one replica's cache between their calls is more than its KV holds anyway.
+MAX_LEASES_PER_TARGET = 4096
+
+
+def lease_key(facts: RequestFacts) -> str | None:
+    """The interaction a call belongs to, if it tells: its interaction id, else its session."""
+    return facts.interaction_id or facts.session
+
+
+class KvLeases:
+    def __init__(self, ttl_s: float = DEFAULT_LEASE_S):
+        self.ttl_s = ttl_s
+        # target → {interaction → (tokens, leased at)}, oldest first
+        self._by_target: dict[str, OrderedDict[str, tuple[int, float]]] = {}
+        self._where: dict[str, str] = {}  # interaction → the target holding its lease
+        self._tokens: dict[str, int] = {}  # target → its leases' tokens (kept as they come and go)
+        self._in_flight: dict[str, int] = {}  # interaction → its calls placed and not ended
+        self._calls: dict[str, str] = {}  # request id of a call in flight → its interaction
+
+    def answered(self, facts: RequestFacts, target_id: str, prompt_tokens: int, output_tokens: int,
+                 now: float) -> None:
+        """`target_id` answered a call of an interaction: unless it was the last, its context
+        (prompt and answer) stays leased there until the next call comes or `ttl_s` passes."""
+        key = lease_key(facts)
+        if key is None or self.ttl_s <= 0:
+            return
+        self.end(key)
+        others = self._in_flight.get(key, 0) - (facts.request_id in self._calls)
+        if facts.final_call or others > 0:
+            return
+        leases = self._by_target.setdefault(target_id, OrderedDict())
+        tokens = max(0, prompt_tokens) + max(0, output_tokens)
+        leases[key] = (tokens, now)
+        self._where[key] = target_id
+        self._tokens[target_id] = self._tokens.get(target_id, 0) + tokens
+        while len(leases) > MAX_LEASES_PER_TARGET:
+            self._drop_oldest(target_id, leases)
+
+    def placed(self, facts: RequestFacts) -> None:
+        """A call went to a replica: until it ends, its interaction is not idle."""
+        key = lease_key(facts)
+        if key is None or facts.request_id in self._calls:
+            return
+        self._calls[facts.request_id] = key
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+
+    def ended(self, request_id: str) -> None:
+        """A placed call ended (answered, failed or cancelled)."""
+        key = self._calls.pop(request_id, None)
+        if key is None:
+            return
+        left = self._in_flight[key] - 1
+        if left:
+            self._in_flight[key] = left
+        else:
+            del self._in_flight[key]
+
+    def arrived(self, facts: RequestFacts) -> None:
+        """The interaction's next call is here: its lease has done its work."""
+        key = lease_key(facts)
+        if key is not None:
+            self.end(key)
+
+    def end(self, key: str) -> None:
+        target = self._where.pop(key, None)
+        if target is None:
+            return
+        lease = self._by_target[target].pop(key, None)
+        if lease is not None:
+            self._tokens[target] -= lease[0]
+
+    def _drop_oldest(self, target_id: str, leases: OrderedDict) -> None:
+        key, (tokens, _) = leases.popitem(last=False)
+        self._where.pop(key, None)
+        self._tokens[target_id] -= tokens
+
+    def leased(self, target_id: str, now: float) -> int:
+        """Tokens leased on `target_id` now (the expired leases end here, oldest first)."""
+        leases = self._by_target.get(target_id)
+        if not leases:
+            return 0
+        horizon = now - self.ttl_s
+        while leases and next(iter(leases.values()))[1] < horizon:
+            self._drop_oldest(target_id, leases)
+        return self._tokens[target_id]
+
+    def forget(self, target_id: str) -> None:
+        """The target left the fleet: its leases go with it."""
+        for key in self._by_target.pop(target_id, {}):
+            self._where.pop(key, None)
+        self._tokens.pop(target_id, None)
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -1,0 +1,131 @@
+"""KV leases (lb.core.leases): the context of an interaction under way, between its calls, is not
+room SP-P pushes other work into; the lease ends when the next call arrives, at the
+interaction's last call, or after `ttl_s`. Time is passed in."""
+from __future__ import annotations
+
+from lb.core.leases import MAX_LEASES_PER_TARGET, KvLeases
+from lb.core.policies import make_policy
+from lb.core.pushing import has_headroom
+from lb.core.queueing import make_queue
+from lb.core.scheduler import Kind, Scheduler, SchedulerConfig
+from lb.core.types import QueueEntry, ReplicaView, RequestFacts
+
+NOW = 1000.0
+
+
+def step(rid: str, interaction: str | None = "agent-1", *, final: bool = False, session: str | None = None,
+         tokens: int = 3000) -> RequestFacts:
+    return RequestFacts(rid, "m", prompt=f"system prompt and task of {interaction or session} " * 40 + f"step {rid}",
+                        prompt_tokens=tokens, interaction_id=interaction, final_call=final, session=session)
+
+
+def test_an_answered_call_leases_its_context_until_the_next_call_arrives():
+    leases = KvLeases(ttl_s=5.0)
+    leases.answered(step("s0"), "a", 3000, 200, NOW)
+    assert leases.leased("a", NOW + 1) == 3200 and leases.leased("b", NOW + 1) == 0
+    leases.arrived(step("s1"))  # the tool returned: the next step is here
+    assert leases.leased("a", NOW + 1) == 0 and len(leases) == 0
+
+
+def test_the_last_call_leases_nothing_and_a_call_without_an_interaction_neither():
+    leases = KvLeases(ttl_s=5.0)
+    leases.answered(step("s0"), "a", 3000, 200, NOW)
+    leases.answered(step("s9", final=True), "a", 4000, 100, NOW + 2)  # its last call ends the lease too
+    leases.answered(step("x", interaction=None), "a", 3000, 200, NOW + 2)
+    assert leases.leased("a", NOW + 3) == 0
+
+
+def test_a_session_header_stands_for_the_interaction():
+    leases = KvLeases(ttl_s=5.0)
+    leases.answered(step("t0", interaction=None, session="chat-7"), "a", 1000, 50, NOW)
+    assert leases.leased("a", NOW) == 1050
+    leases.arrived(step("t1", interaction=None, session="chat-7"))
+    assert leases.leased("a", NOW) == 0
+
+
+def test_a_lease_ends_after_its_ttl_and_a_newer_answer_replaces_the_older():
+    leases = KvLeases(ttl_s=5.0)
+    leases.answered(step("s0", "one"), "a", 1000, 0, NOW)
+    leases.answered(step("s0", "two"), "a", 2000, 0, NOW + 3)
+    assert leases.leased("a", NOW + 4) == 3000
+    assert leases.leased("a", NOW + 6) == 2000  # "one" never came back within 5 s
+    leases.answered(step("s1", "two"), "b", 2500, 0, NOW + 7)  # its next step went to b
+    assert leases.leased("a", NOW + 7) == 0 and leases.leased("b", NOW + 7) == 2500
+    assert KvLeases(ttl_s=0).leased("a", NOW) == 0
+
+
+def test_leases_are_bounded_per_replica_and_go_with_a_replica_that_leaves():
+    leases = KvLeases(ttl_s=60.0)
+    for i in range(MAX_LEASES_PER_TARGET + 10):
+        leases.answered(step(f"s{i}", f"i{i}"), "a", 10, 0, NOW)
+    assert len(leases) == MAX_LEASES_PER_TARGET
+    assert leases.leased("a", NOW) == 10 * MAX_LEASES_PER_TARGET
+    leases.forget("a")
+    assert len(leases) == 0 and leases.leased("a", NOW) == 0
+
+
+def test_headroom_leaves_out_the_leased_tokens():
+    view = ReplicaView(id="a", url="", engine="sglang", models=frozenset({"m"}), kv_free_tokens=8000)
+    assert has_headroom(view)
+    view.leased_tokens = 8000  # the free room is the cache of sessions in their tool calls
+    assert not has_headroom(view)
+    view.leased_tokens = 5000
+    assert has_headroom(view)
+    view.pushed_since_probe, view.pushed_tokens_since_probe = 1, 3000
+    assert not has_headroom(view)  # 3,000 pushed unseen fill the 3,000 not leased
+
+
+class Rep:
+    def __init__(self, rid: str):
+        self.view = ReplicaView(id=rid, url="", engine="sglang", models=frozenset({"m"}), kv_free_tokens=6000)
+        self.breaker = None
+
+
+def test_past_capacity_new_work_waits_in_the_lb_while_a_session_is_in_its_tool_call():
+    """Replica `a` answered an agent's step; its KV's free room is about that step's context.
+    A new session's first call waits in the LB instead of evicting it; the agent's next step,
+    when it comes, ends the lease and goes first: its context is there (the LPM window)."""
+    s = Scheduler(SchedulerConfig(lease_s=5.0), make_policy("predicted-ttft"), make_queue("fcfs"))
+    a = Rep("a")
+    s.admit(QueueEntry(step("s0"), enqueued_at=NOW, seq=0), NOW)
+    assert [p.target_id for p in s.schedule(NOW, [a])] == ["a"]
+    s.served(step("s0"), "a", 0.5, 4.0, 200, NOW + 4)
+    a.view.outstanding = a.view.pushed_since_probe = a.view.pushed_tokens_since_probe = 0  # a probe after it ended
+    a.view.kv_free_tokens = 3000  # other sessions run there too: what is free is less than s0's context
+
+    s.admit(QueueEntry(step("n0", "agent-2"), enqueued_at=NOW + 4.2, seq=1), NOW + 4.2)
+    assert s.schedule(NOW + 4.2, [a]) == []  # it would evict agent-1's context
+    assert a.view.leased_tokens == 3200
+
+    s.admit(QueueEntry(step("s1"), enqueued_at=NOW + 5, seq=2), NOW + 5)  # agent-1's next step
+    out = s.schedule(NOW + 5, [a])
+    assert [(p.kind, p.entry.facts.request_id, p.target_id) for p in out] == [(Kind.REPLICA, "s1", "a")]
+    assert out[0].matched_blocks > 0 and a.view.leased_tokens == 0
+
+
+def test_without_leases_or_below_capacity_nothing_waits():
+    for lease_s, free in ((0.0, 4000), (5.0, 60000)):
+        s = Scheduler(SchedulerConfig(lease_s=lease_s), make_policy("predicted-ttft"), make_queue("fcfs"))
+        a = Rep("a")
+        s.served(step("s0"), "a", 0.5, 4.0, 200, NOW)
+        a.view.kv_free_tokens = free
+        s.admit(QueueEntry(step("n0", "agent-2"), enqueued_at=NOW, seq=1), NOW)
+        assert [p.target_id for p in s.schedule(NOW + 0.2, [a])] == ["a"]
+
+
+def test_a_call_answered_while_others_of_its_interaction_run_leases_nothing():
+    """A tree's thoughts run side by side: their shared context is in use, not evictable, so
+    the first to end leases nothing; the last one to end leases its context."""
+    leases = KvLeases(ttl_s=5.0)
+    a, b = step("t1", "tree-1"), step("t2", "tree-1")
+    leases.placed(a)
+    leases.placed(b)
+    leases.placed(a)  # placed again (a retry) counts once
+    leases.answered(a, "x", 3000, 100, NOW)
+    leases.ended("t1")
+    assert leases.leased("x", NOW) == 0
+    leases.ended("t2")  # ended before its answer was counted (the daemon's order)
+    leases.answered(b, "x", 3000, 150, NOW + 1)
+    assert leases.leased("x", NOW + 1) == 3150
+    leases.ended("unknown")  # a call of no interaction: nothing to do
+    assert leases.leased("x", NOW + 1) == 3150

@@ -1,0 +1,44 @@
+"""KV leases over HTTP: a real `lb` over the engine emulator leases, on the replica that answered,
+the context of an interaction's call that is not its last (prompt and answer tokens as the engine
+counted them), shows it on /metrics, and ends it when the interaction's next call comes."""
+from __future__ import annotations
+
+import pytest
+
+from tests.daemon.conftest import http_json, needs_emulator, start_lb_with_emulator
+from tests.procs import metric
+
+pytestmark = [needs_emulator, pytest.mark.timeout(60)]
+
+
+def call(lb, step: int, headers: dict) -> dict:
+    body = {"model": "m", "messages": [{"role": "user", "content": f"run the tests, step {step}"}],
+            "max_tokens": 8, "ignore_eos": True}
+    status, doc = http_json("POST", lb.url + "/v1/chat/completions", body, headers=headers, timeout=30)
+    assert status == 200, doc
+    return doc["usage"]
+
+
+def leased(lb) -> float:
+    return metric(lb.url, "lb_replica_leased_tokens")
+
+
+@pytest.mark.parametrize("lease_s", [60.0, 0.0])
+def test_an_interactions_context_is_leased_between_its_calls(procs, tmp_path, lease_s):
+    lb, _ = start_lb_with_emulator(procs, tmp_path, f"[pushing]\nlease_s = {lease_s}\n", "--speed", "4")
+    assert leased(lb) == 0
+
+    usage = call(lb, 0, {"x-lb-interaction-id": "task-1"})
+    expected = usage["prompt_tokens"] + usage["completion_tokens"] if lease_s else 0
+    assert expected == 0 or expected > 8
+    assert leased(lb) == expected
+
+    call(lb, 1, {})  # a request of no interaction changes nothing
+    assert leased(lb) == expected
+
+    # the interaction's next call: the first lease ends on arrival, this one leases its own
+    usage = call(lb, 1, {"x-lb-interaction-id": "task-1"})
+    assert leased(lb) == (usage["prompt_tokens"] + usage["completion_tokens"] if lease_s else 0)
+
+    call(lb, 2, {"x-lb-interaction-id": "task-1", "x-lb-final-call": "true"})  # its last call
+    assert leased(lb) == 0
