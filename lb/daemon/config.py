@@ -11,6 +11,7 @@ import difflib
 import enum
 import importlib.util
 import json
+import math
 import os
 import re
 import tomllib
@@ -225,7 +226,7 @@ def _coerce(path: str, value: object, typ: object) -> object:
             return value
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
             return float(value)
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if typ is str:
@@ -288,8 +289,9 @@ def _check(cfg: Config) -> None:
     positive("pushing.max_outstanding", cfg.pushing.max_outstanding)
     positive("pushing.push_credit", cfg.pushing.push_credit)
     positive("pushing.max_unseen", cfg.pushing.max_unseen)
-    if cfg.pushing.lease_s < 0:
-        raise ConfigError(f"pushing.lease_s: must be >= 0 seconds (0 turns leases off), got {cfg.pushing.lease_s}")
+    if not 0 <= cfg.pushing.lease_s < math.inf:
+        raise ConfigError(f"pushing.lease_s: must be a finite number of seconds >= 0 (0 turns leases off), "
+                          f"got {cfg.pushing.lease_s}")
     positive("upstream.connect_timeout_s", cfg.upstream.connect_timeout_s)
     positive("upstream.read_timeout_s", cfg.upstream.read_timeout_s)
     positive("upstream.first_byte_timeout_s", cfg.upstream.first_byte_timeout_s)
