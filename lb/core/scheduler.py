@@ -297,6 +297,8 @@ class Scheduler:
         `/lb/peer/status`): the fit and the work ahead on each replica that takes one now,
         and those replicas' loads (for the peer's `lighter_peer`), least first."""
         self.backlog.expire(now)
+        targets = list(targets)
+        self.refresh_leases((t.view for t in targets), now)
         free: dict[str, list[ReplicaView]] = {}
         for t in targets:
             if self.eligible(t, now):
@@ -329,6 +331,14 @@ class Scheduler:
         self.backlog.forget(target_id)
         self.leases.forget(target_id)
 
+    def refresh_leases(self, views: Iterable[ReplicaView], now: float) -> None:
+        """Each view's leased tokens as of `now` (expired leases out), which SP-P's headroom
+        leaves out (lb.core.pushing.has_headroom). Every reader of `available` between passes
+        (the peer advert, /metrics, the early re-probe) sees what a pass would."""
+        leases = self.leases
+        for view in views:
+            view.leased_tokens = leases.leased(view.id, now)
+
     def available(self, view: ReplicaView) -> bool:
         """May one more request be pushed to `view` now (pushing mode and its headroom)?"""
         c = self.cfg
@@ -354,12 +364,10 @@ class Scheduler:
     # -- one pass ----------------------------------------------------------------------------
     def schedule(self, now: float, targets: Iterable[Target], peers: PeerSet | None = None) -> list[Placement]:
         self.backlog.expire(now)  # non-streamed pushes past their predicted TTFT
+        targets = list(targets)
+        self.refresh_leases((t.view for t in targets), now)
         if not len(self.queue):
             return []
-        targets = list(targets)
-        leases = self.leases
-        for t in targets:  # SP-P's headroom leaves them out (lb.core.pushing.has_headroom)
-            t.view.leased_tokens = leases.leased(t.view.id, now)
         p = _Pass(self, targets, now)
         peers_open = peers is not None and peers.open(now)
         waiting = [m for m, n in self._waiting.items() if n]

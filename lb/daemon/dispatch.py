@@ -75,11 +75,15 @@ class Dispatcher:
         return self.scheduler.queue
 
     def available(self, view: ReplicaView) -> bool:
+        """May `view` take a push now, its leases as of now (the gate, the peer advert and
+        /metrics ask between scheduling passes)."""
+        self.scheduler.refresh_leases((view,), time.monotonic())
         return self.scheduler.available(view)
 
     def leased(self, view: ReplicaView) -> int:
         """KV tokens leased on the replica now (lb.core.leases)."""
-        return self.scheduler.leases.leased(view.id, time.monotonic())
+        self.scheduler.refresh_leases((view,), time.monotonic())
+        return view.leased_tokens
 
     @property
     def cfg(self) -> Config:

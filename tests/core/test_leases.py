@@ -129,3 +129,22 @@ def test_a_call_answered_while_others_of_its_interaction_run_leases_nothing():
     assert leases.leased("x", NOW + 1) == 3150
     leases.ended("unknown")  # a call of no interaction: nothing to do
     assert leases.leased("x", NOW + 1) == 3150
+
+
+def test_a_pass_with_nothing_queued_still_ends_the_expired_leases():
+    """`available` is read between passes too (the gate, the peer advert, /metrics): once a
+    lease has expired the replica is available again there, not only when work is queued."""
+    s = Scheduler(SchedulerConfig(lease_s=5.0), make_policy("predicted-ttft"), make_queue("fcfs"))
+    a = Rep("a")
+    s.served(step("s0"), "a", 0.5, 4.0, 200, NOW)
+    a.view.kv_free_tokens = 3000
+    assert s.schedule(NOW + 1, [a]) == [] and a.view.leased_tokens == 3200
+    assert not s.available(a.view)  # its room is leased
+    assert s.schedule(NOW + 6, [a]) == [] and a.view.leased_tokens == 0  # expired, nothing queued
+    assert s.available(a.view)
+    s.served(step("s1"), "a", 0.5, 4.0, 200, NOW + 7)  # the next step answered: leased again
+    assert s.available(a.view)  # (the view learns of it at the next pass or advert)
+    s.advertise([a], NOW + 8)
+    assert a.view.leased_tokens == 3200 and not s.available(a.view)
+    s.advertise([a], NOW + 13)  # the peer advert between passes: the lease has expired
+    assert a.view.leased_tokens == 0 and s.available(a.view)
