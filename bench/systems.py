@@ -93,17 +93,31 @@ def unavailable(system: System) -> str | None:
     return None
 
 
-def engine_time_config(speed: float) -> dict:
-    """lb sections whose durations are engine time, divided by the emulators' speed-up."""
-    config = {"probes": {"interval_s": PROBE_INTERVAL_S / speed}, "server": {"access_log": False}}
-    try:  # the cache-affine scheduler is newer than this module; scale it when it is there
+def engine_time_keys() -> dict[tuple[str, str], float]:
+    """lb's settings whose durations are engine time: (section, key) → the daemon's default."""
+    keys = {("probes", "interval_s"): PROBE_INTERVAL_S}
+    try:  # newer than this module: scale them when they are there (an older commit's lb lacks them)
         from lb.core.affinity import AffinityConfig
+        d = AffinityConfig()
+        keys.update({("affinity", "hold_s"): d.hold_s, ("affinity", "hold_per_token_s"): d.hold_per_token_s,
+                     ("affinity", "max_bypass_s"): d.max_bypass_s})
+        from lb.core.leases import DEFAULT_LEASE_S  # a session's next call comes after its tool's run
+        keys[("pushing", "lease_s")] = DEFAULT_LEASE_S
     except ImportError:
-        return config
-    d = AffinityConfig()
-    config["affinity"] = {"hold_s": d.hold_s / speed, "hold_per_token_s": d.hold_per_token_s / speed,
-                          "max_bypass_s": d.max_bypass_s / speed}
-    return config
+        pass
+    return keys
+
+
+def engine_time_config(speed: float, config: dict | None = None) -> dict:
+    """`config`'s TOML sections with every engine-time duration (`engine_time_keys`; the
+    config's value where it sets one, else the default) divided by the emulators' speed-up,
+    and no access log."""
+    out = {section: dict(values) for section, values in (config or {}).items()}
+    for (section, key), default in engine_time_keys().items():
+        values = out.setdefault(section, {})
+        values[key] = values.get(key, default) / speed
+    out.setdefault("server", {}).setdefault("access_log", False)
+    return out
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -117,7 +131,7 @@ def start(system: System, fleet: Fleet, replica_urls: list[str], *, speed: float
     if system.family == "direct":
         return list(replica_urls)
     if system.family == "lb":
-        config = _merge(engine_time_config(speed), system.lb_config)
+        config = engine_time_config(speed, system.lb_config)
         return [start_lb(fleet, replica_urls, name=name, policy=system.policy, pushing=system.pushing,
                          config=config).url]
     if system.family == "sglang-router":
@@ -206,7 +220,7 @@ def start_regional(system: System, fleet: Fleet, spec: ClusterSpec, central: str
     """`system` over `spec`'s regions: lb per region with peering when `system.regional`,
     else one coordinator in `central` that every other region reaches across the WAN."""
     if system.family == "lb":
-        lb_sections = _merge(engine_time_config(spec.speed), system.lb_config)
+        lb_sections = engine_time_config(spec.speed, system.lb_config)
         lb_sections.pop("probes", None)  # bench.cluster scales the probe interval itself
         lb_spec = replace(spec, mode="peering" if system.regional else "central", central=central,
                           policy=system.policy, peer_policy=peer_policy_for(system.policy), pushing=system.pushing,

@@ -261,12 +261,38 @@ def foreign_cores(machine: dict) -> float:
     return round(max(0.0, machine.get("host_cores_busy", 0.0) - machine.get("cores_used", 0.0)), 3)
 
 
+# The system `--lb-config FILE` adds (as `lb-bench sim-compare --lb-config` does)
+LB_FROM_FILE = "lb config"
+# Sections of an operator's file the scenario sets itself: its replicas, ports and logs
+SCENARIO_SECTIONS = ("server", "replicas", "discovery", "peers")
+
+
+def lb_from_file(path: str, *, regional: bool) -> System:
+    """`lb` with an operator's own daemon config (checked as `lb check-config` checks it):
+    every section but the scenario's own (`SCENARIO_SECTIONS`); its durations are taken as
+    engine time and divided by the emulators' speed-up like the defaults (bench.systems)."""
+    import tomllib
+
+    from lb.daemon.config import load
+    try:
+        cfg = load(path)
+        with open(path, "rb") as f:
+            sections = tomllib.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--lb-config {path}: {exc}") from None
+    sections = {k: v for k, v in sections.items() if k not in SCENARIO_SECTIONS and isinstance(v, dict)}
+    return lb(cfg.routing.policy, cfg.pushing.mode, regional=regional, name=LB_FROM_FILE, config=sections)
+
+
 def with_run_options(c: Compare, repeats: int | None, stream: bool = True, duration: float | None = None,
-                     systems: str | None = None) -> Compare:
+                     systems: str | None = None, clients: int | None = None, lb_config: str | None = None) -> Compare:
     """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
     for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers.
     `--duration S`: each run's length (a longer one has a longer steady state after its
-    warm-up). `--systems A,B`: only the systems of those names (as the report lists them)."""
+    warm-up). `--systems A,B`: only the systems of those names (as the report lists them).
+    `--clients N`: closed-loop clients (one region's scenarios; past the default the fleet
+    runs past its capacity). `--lb-config FILE`: also `lb` with that daemon config, as the
+    system `lb config`."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -277,15 +303,39 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
             raise SystemExit("--duration must be > 0")
         c.duration_s = duration
         c.options.append(f"--duration {duration:g}")
+    if clients is not None:
+        from bench.client import is_open_loop
+        from bench.workloads import make_workload
+        if c.regions is not None:
+            raise SystemExit(f"--clients: {c.scenario} sets its clients per region; it takes --clients only in one region")
+        if is_open_loop(make_workload(c.workload, seed=c.seed, **c.params)):
+            raise SystemExit(f"--clients: {c.scenario} replays its trace open loop; it has no closed-loop clients")
+        if clients < 1:
+            raise SystemExit("--clients must be >= 1")
+        c.clients = clients
+        c.options.append(f"--clients {clients}")
     if systems:
         known = {s.name: s for s in c.systems}
         wanted = pick_names(systems, list(known))
         c.systems = [known[name] for name in wanted]
         c.options.append(f"--systems '{','.join(wanted)}'")
+    if lb_config:
+        c.systems = [*c.systems, lb_from_file(lb_config, regional=c.regions is not None)]
+        c.options.append(f"--lb-config {lb_config}")
     if not stream:
         c.options.append("--no-stream")
         c.notes = [*c.notes, "clients ask for whole answers (stream: false): no TTFT, compare E2E"]
     return c
+
+
+def scenario_runner(compare: Callable[[bool], Compare]) -> Callable[..., dict]:
+    """A compare-* scenario's `run`, as `lb-bench scenario NAME [options]` calls it."""
+    def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
+            duration: float | None = None, systems: str | None = None, clients: int | None = None,
+            lb_config: str | None = None) -> dict:
+        return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config),
+                           out_dir)
+    return run
 
 
 def run_compare(c: Compare, out_dir: Path) -> dict:

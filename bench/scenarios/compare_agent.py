@@ -12,9 +12,7 @@ p90 5.9 s against 0.6 s). Engines, tool runs and lb's time constants `SPEED`x fa
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import Compare, run_compare, systems, with_run_options
+from bench.scenarios._compare import Compare, scenario_runner, systems
 
 DESCRIPTION = "tool-using agent sessions (growing ~6k-token contexts, 1 s tool runs), lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -32,6 +30,4 @@ def compare(quick: bool) -> Compare:
                f"replicas, engines and tool runs {SPEED:g}x faster"])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

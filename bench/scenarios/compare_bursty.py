@@ -14,9 +14,7 @@ engines `SPEED`x faster (lb's time constants ÷ SPEED).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import Compare, run_compare, systems, with_run_options
+from bench.scenarios._compare import Compare, scenario_runner, systems
 
 DESCRIPTION = "ServeGen's bursty tenants at 1.3x capacity, each tenant's p90, lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -52,6 +50,4 @@ def compare(quick: bool) -> Compare:
                "4 l4-llama3-8b replicas"])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

@@ -8,9 +8,7 @@ L4 replicas, `SPEED`× faster than real (lb's probe interval and affinity bounds
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_run_options
+from bench.scenarios._compare import SKYWALKER, Compare, scenario_runner, systems
 
 DESCRIPTION = "Mixed Tree in one region: two 4-branch + six 2-branch ToT clients, lb vs routers, 4 replicas"
 CLIENTS = 8
@@ -29,6 +27,4 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

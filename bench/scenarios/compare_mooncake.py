@@ -9,9 +9,7 @@ The trace is `bench/data/mooncake` (see bench/data/README.md).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import SKYWALKER, Compare, run_compare, systems, with_run_options
+from bench.scenarios._compare import SKYWALKER, Compare, scenario_runner, systems
 
 DESCRIPTION = "Mooncake trace replay (prefix blocks kept, contexts clipped), lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -30,6 +28,4 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

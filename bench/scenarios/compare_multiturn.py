@@ -12,9 +12,7 @@ ratios faithful.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_run_options
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, scenario_runner, systems
 
 DESCRIPTION = "multi-turn, 3 regions (20 clients each): lb per region vs SGLang/vLLM router, nginx, direct in us"
 PAPER_CLIENTS = 80  # per region
@@ -35,6 +33,4 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

@@ -11,9 +11,7 @@ time constants ÷ SPEED).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import Compare, run_compare, systems, with_run_options
+from bench.scenarios._compare import Compare, scenario_runner, systems
 
 DESCRIPTION = "SGLang's generated-shared-prefix benchmark, open loop just past capacity, lb vs routers, 4 replicas"
 SPEED = 4.0
@@ -33,6 +31,4 @@ def compare(quick: bool) -> Compare:
                "4 l4-llama3-8b replicas"])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

@@ -15,10 +15,8 @@ simulator's direction) at 0.97× its throughput, with the same cached ratio (0.8
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from bench.report_md import is_lb
-from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, run_compare, with_run_options
+from bench.scenarios._compare import PEERS, QUICK_PEERS, Compare, scenario_runner
 from bench.scenarios.sp_micro import CLIENTS, SP_O_MAX_OUTSTANDING
 from bench.systems import lb
 from lb.core.policies import DEFAULT_POLICY
@@ -52,6 +50,4 @@ def sp_vs_bp(variants: dict[str, dict]) -> list[str]:
             f"{p['cached_token_ratio']:.3f} vs {b['cached_token_ratio']:.3f}"]
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

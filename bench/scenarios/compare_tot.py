@@ -18,9 +18,7 @@ routing; at 2× (0.9-1.4 cores busy) the comparison measures routing again.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, run_compare, systems, with_run_options
+from bench.scenarios._compare import SKYWALKER, Compare, compressed_latency, regions, scenario_runner, systems
 
 DESCRIPTION = "Tree of Thoughts, 3 regions (20/10/10 clients, 2-branch): lb per region vs routers in us"
 PAPER_CLIENTS = {"us": 40, "eu": 20, "asia": 20}
@@ -42,6 +40,4 @@ def compare(quick: bool) -> Compare:
         paper=[SKYWALKER])
 
 
-def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
-        duration: float | None = None, systems: str | None = None) -> dict:
-    return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems), out_dir)
+run = scenario_runner(compare)

@@ -63,6 +63,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="compare-* scenarios: only these systems (comma-separated names as the report lists them)")
     parser.add_argument("--no-stream", action="store_true",
                         help="compare-* scenarios: clients ask for whole answers (stream: false)")
+    parser.add_argument("--clients", type=int, metavar="N",
+                        help="compare-* scenarios in one region: closed-loop clients (more than the scenario's "
+                             "default runs its fleet past capacity)")
+    parser.add_argument("--lb-config", metavar="FILE",
+                        help="compare-* scenarios: also run lb with this daemon config file as the system 'lb config' "
+                             "(its durations in engine time, scaled by the scenario's speed-up like lb's defaults)")
 
 
 def list_scenarios() -> str:
@@ -119,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --systems", file=sys.stderr)
             return 2
         extra["systems"] = args.systems
+    for option, key in (("clients", "clients"), ("lb_config", "lb_config")):
+        if getattr(args, option, None) is not None:
+            if key not in inspect.signature(module.run).parameters:
+                print(f"scenario {args.name} does not take --{option.replace('_', '-')}", file=sys.stderr)
+                return 2
+            extra[key] = getattr(args, option)
     if getattr(args, "no_stream", False):
         if "stream" not in inspect.signature(module.run).parameters:
             print(f"scenario {args.name} does not take --no-stream", file=sys.stderr)

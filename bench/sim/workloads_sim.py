@@ -301,6 +301,12 @@ register(Workload("agent", "Tool-using agent sessions, a coding agent's shape sc
                   "was settled, 4 L4 replicas",
                   ONE_REGION, "programs", duration_s=600.0, quick_duration_s=300.0,  # a session lasts ~1-2 min
                   program={"workload": "agent"}, requests_per_program=Agent().mean_steps()))
+register(Workload("agent-slow-tools", "The agent sessions with a coding agent's slow tools (builds, test suites): tool "
+                  "runs exponential with an 8 s mean, at most 60 s, the rest as `agent`; held out: added after KV "
+                  "leases were settled on `agent`, to check how long a lease should hold, 4 L4 replicas",
+                  ONE_REGION, "programs", duration_s=900.0, quick_duration_s=450.0,  # a session lasts ~2-4 min
+                  program={"workload": "agent", "think_mean_s": 8.0, "think_max_s": 60.0},
+                  requests_per_program=Agent().mean_steps()))
 register(Workload("reasoning", "A reasoning model's traffic: short prompts (8 system prompts of 200-1,200 tokens, "
                   "Zipf-popular, and a question of ~150 tokens) and long heavy-tailed answers (lognormal, median "
                   "700 tokens, mean ~1,010), Poisson arrivals (open loop); held out: added after the policy was "

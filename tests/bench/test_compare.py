@@ -195,3 +195,43 @@ def test_a_comparison_can_run_some_of_its_systems_for_longer_and_says_so():
     assert c.options == ["--duration 60", "--systems 'nginx hash-session,lb predicted-ttft/sp-pending'"]
     with pytest.raises(SystemExit, match="unknown 'nginx hash'.*'nginx hash-session'"):
         with_run_options(compare_sp_micro.compare(False), 1, systems="nginx hash")
+
+
+def test_an_operators_own_config_runs_beside_the_default_its_durations_in_engine_time(tmp_path):
+    """`--lb-config FILE` adds `lb config`: the file's settings (not its replicas or ports),
+    its durations divided by the emulators' speed-up as lb's defaults are; `--clients N` sets
+    the closed-loop clients. The daemon is started on the composed file and answers."""
+    from bench.scenarios._compare import LB_FROM_FILE, with_run_options
+    from lb.daemon.config import load
+
+    own = tmp_path / "own.toml"
+    own.write_text('[server]\nport = 1\n\n[pushing]\nlease_s = 0\n\n[queue]\norder = "fcfs"\n\n'
+                   '[affinity]\nhold_s = 2.0\n\n[[replicas]]\nurl = "http://127.0.0.1:9"\n')
+    c = with_run_options(tiny([lb()]), 1, clients=6, lb_config=str(own))
+    assert [s.name for s in c.systems] == ["lb predicted-ttft/sp-pending", LB_FROM_FILE] and c.clients == 6
+    assert c.options == ["--clients 6", f"--lb-config {own}"]
+    summary = run_compare(c, tmp_path / "out")
+    check_summary(summary, c.systems)
+    assert set(summary["variants"]) == {s.name for s in c.systems}, summary["skipped"]
+    daemon = {name: load(tmp_path / "out" / "logs" / name / "lb.toml") for name in ("lb-predicted-ttft-sp-pending", "lb-config")}
+    ours, default = daemon["lb-config"], daemon["lb-predicted-ttft-sp-pending"]
+    assert ours.pushing.lease_s == 0 and default.pushing.lease_s == pytest.approx(5.0 / 10)  # speed 10
+    assert ours.affinity.hold_s == pytest.approx(0.2) and default.affinity.hold_s == pytest.approx(0.1)
+    assert ours.queue.order == "fcfs" and default.queue.order == "wsc"
+    assert ours.probes.interval_s == pytest.approx(0.01) and not ours.replicas  # the scenario's replicas, not the file's
+
+
+def test_run_options_refuse_what_a_scenario_cannot_take(tmp_path):
+    from bench.scenarios import compare_mooncake, compare_tot
+    from bench.scenarios._compare import with_run_options
+
+    with pytest.raises(SystemExit, match="--clients: compare-mooncake replays its trace open loop"):
+        with_run_options(compare_mooncake.compare(False), 1, clients=8)
+    with pytest.raises(SystemExit, match="--clients: compare-tot sets its clients per region"):
+        with_run_options(compare_tot.compare(False), 1, clients=8)
+    with pytest.raises(SystemExit, match="--clients must be >= 1"):
+        with_run_options(tiny([lb()]), 1, clients=0)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pushing]\nlease_s = -1\n")
+    with pytest.raises(SystemExit, match="--lb-config .*bad.toml: .*pushing.lease_s: must be a finite number of seconds >= 0"):
+        with_run_options(tiny([lb()]), 1, lb_config=str(bad))
