@@ -23,12 +23,19 @@ what is leased there (`lb.core.pushing.has_headroom`). Below capacity the free K
 leases and nothing changes; near it, new work waits in the LB queue instead of evicting the
 contexts the next calls need.
 
+Clients that send none of those headers (most third-party clients) are recognized by their
+prompts instead (`lb.core.continuations`): a call whose prompt extends an answered call's
+continues its interaction. As such an interaction never says which call is its last, the lease
+of an undeclared call is its context times the share of its user's calls that were continued.
+(Agent sessions without headers at 1.3x capacity had lost what leases gave: docs/results.md.)
+
 Pure: the scheduler passes `now`; bounded per replica.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from lb.core.continuations import IMPLICIT, Continuations, declares
 from lb.core.types import RequestFacts
 
 # How long a lease holds room for the interaction's next call: an agent's tool call or a chat
@@ -41,8 +48,9 @@ MAX_LEASES_PER_TARGET = 4096
 
 
 def lease_key(facts: RequestFacts) -> str | None:
-    """The interaction a call belongs to, if it tells: its interaction id, else its session."""
-    return facts.interaction_id or facts.session
+    """The interaction a call belongs to: its interaction id, else its session, else the one its
+    prompt was recognized to continue (`lb.core.continuations`)."""
+    return facts.interaction_id or facts.session or facts.extra.get(IMPLICIT)
 
 
 class KvLeases:
@@ -54,20 +62,27 @@ class KvLeases:
         self._tokens: dict[str, int] = {}  # target → its leases' tokens (kept as they come and go)
         self._in_flight: dict[str, int] = {}  # interaction → its calls placed and not ended
         self._calls: dict[str, str] = {}  # request id of a call in flight → its interaction
+        self.continuations = Continuations()  # the interactions of calls that do not name theirs
 
     def answered(self, facts: RequestFacts, target_id: str, prompt_tokens: int, output_tokens: int,
-                 now: float) -> None:
+                 now: float, chain: list[int] | None = None) -> None:
         """`target_id` answered a call of an interaction: unless it was the last, its context
-        (prompt and answer) stays leased there until the next call comes or `ttl_s` passes."""
+        (prompt and answer) stays leased there until the next call comes or `ttl_s` passes.
+        `chain`: the prompt's prefix chain, by which an undeclared call's next one is known."""
         key = lease_key(facts)
         if key is None or self.ttl_s <= 0:
             return
+        self.continuations.answered(facts, chain)
         self.end(key)
         others = self._in_flight.get(key, 0) - (facts.request_id in self._calls)
         if facts.final_call or others > 0:
             return
-        leases = self._by_target.setdefault(target_id, OrderedDict())
         tokens = max(0, prompt_tokens) + max(0, output_tokens)
+        if not declares(facts):  # it may be the interaction's last: as likely as its user's calls are
+            tokens = round(tokens * self.continuations.share(facts.user))
+            if not tokens:
+                return
+        leases = self._by_target.setdefault(target_id, OrderedDict())
         leases[key] = (tokens, now)
         self._where[key] = target_id
         self._tokens[target_id] = self._tokens.get(target_id, 0) + tokens

@@ -64,6 +64,7 @@ from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
+from lb.core.continuations import declares
 from lb.core.leases import DEFAULT_LEASE_S, KvLeases
 from lb.core.length_model import LengthModel
 from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
@@ -71,7 +72,7 @@ from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecisio
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
                              holder_queue_open, is_available, push_tokens, record_push)
-from lb.core.prefix import BytesPerToken, prompt_bytes, uncached_tokens
+from lb.core.prefix import BytesPerToken, prompt_bytes, request_chain, uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
 
@@ -240,8 +241,19 @@ class Scheduler:
             return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
         self.queue.push(entry)
         self._count(entry, 1)
+        chain = self._undeclared_chain(entry.facts)
+        if chain is not None:
+            self.leases.continuations.recognize(entry.facts, chain)
         self.leases.arrived(entry.facts)
         return None
+
+    def _undeclared_chain(self, facts: RequestFacts) -> list[int] | None:
+        """The prefix chain by which leases know an undeclared call's interaction (None when
+        the call names it, leases are off, or no prefix memory hashes prompts)."""
+        memory = self.affinity.memory
+        if memory is None or self.leases.ttl_s <= 0 or declares(facts):
+            return None
+        return request_chain(facts, memory.block_chars, memory.isolate_tenants)
 
     def withdraw(self, entry: QueueEntry) -> bool:
         """`entry` leaves without running (timed out, client gone): nobody is charged."""
@@ -269,7 +281,8 @@ class Scheduler:
         """A replica answered a placed request: what it took feeds the policy's learned rates,
         and the prompt tokens it counted (when it says) the bytes a token takes here."""
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
-        self.leases.answered(facts, target_id, prompt_tokens or facts.prompt_tokens, output_tokens, now)
+        self.leases.answered(facts, target_id, prompt_tokens or facts.prompt_tokens, output_tokens, now,
+                             self._undeclared_chain(facts))
         if output_tokens >= 1:
             self.affinity.lengths.observe(facts, output_tokens)
             if self.affinity.memory is not None:

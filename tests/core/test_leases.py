@@ -148,3 +148,117 @@ def test_a_pass_with_nothing_queued_still_ends_the_expired_leases():
     assert a.view.leased_tokens == 3200 and not s.available(a.view)
     s.advertise([a], NOW + 13)  # the peer advert between passes: the lease has expired
     assert a.view.leased_tokens == 0 and s.available(a.view)
+
+
+def undeclared(rid: str, prompt: str, tokens: int = 3000, user: str = "bot") -> RequestFacts:
+    """A call from a client that sends no interaction or session header."""
+    return RequestFacts(rid, "m", prompt=prompt, prompt_tokens=tokens, user=user)
+
+
+SYSTEM = "You are a coding agent. Tools: read, edit, run. " * 30  # ~1,500 chars, shared by every session
+
+
+def agent_steps(leases: KvLeases, n: int, *, target: str = "a", at: float = NOW) -> RequestFacts:
+    """An undeclared agent's first `n` steps, each answered on `target`: its last step."""
+    from lb.core.prefix import request_chain
+
+    call = undeclared("s0", SYSTEM + "Task: fix the failing test in parser.py. " * 8)
+    for i in range(n):
+        if i:
+            call = undeclared(f"s{i}", call.prompt + f"read('parser{i}.py')" + "def parse(text): ... " * 40)
+        leases.continuations.recognize(call, request_chain(call))
+        leases.arrived(call)
+        leases.placed(call)
+        leases.ended(call.request_id)
+        leases.answered(call, target, 3000, 200, at + i, request_chain(call))
+    return call
+
+
+def test_a_call_without_headers_is_known_by_its_prompt_extending_an_answered_one():
+    """Each step's prompt is the last one's, its answer and the tool's output: it continues
+    the first step's interaction and ends its lease; a session on the same system prompt is
+    its own interaction. The lease is the context times the share of the user's calls
+    continued (here 3 of 4)."""
+    from lb.core.continuations import IMPLICIT
+    from lb.core.prefix import request_chain
+
+    leases = KvLeases(ttl_s=5.0)
+    first = agent_steps(leases, 1)
+    assert first.extra[IMPLICIT] == "s0" and leases.leased("a", NOW) == 0  # nothing continued yet: no lease
+    leases = KvLeases(ttl_s=5.0)
+    last = agent_steps(leases, 4)
+    assert last.extra[IMPLICIT] == "s0"
+    share = leases.continuations.share("bot")
+    assert 0.7 < share < 0.8 and leases.leased("a", NOW + 3) == round(3200 * share)
+
+    other = undeclared("o0", SYSTEM + "Task: add a --verbose flag to cli.py. " * 8)
+    leases.continuations.recognize(other, request_chain(other))
+    leases.arrived(other)
+    assert other.extra[IMPLICIT] == "o0" and leases.leased("a", NOW + 3) > 0  # not the agent's next step
+
+    nxt = undeclared("s4", last.prompt + "edit(...)" * 20)
+    leases.continuations.recognize(nxt, request_chain(nxt))
+    leases.arrived(nxt)
+    assert nxt.extra[IMPLICIT] == "s0" and leases.leased("a", NOW + 3) == 0
+
+
+def test_a_user_asking_single_questions_leases_nothing_an_agent_beside_it_does():
+    from lb.core.prefix import request_chain
+
+    leases = KvLeases(ttl_s=5.0)
+    for i in range(20):
+        q = undeclared(f"q{i}", SYSTEM + f"Question {i}: what does this code do? " * 6, user="qa")
+        leases.continuations.recognize(q, request_chain(q))
+        leases.answered(q, "b", 2000, 100, NOW, request_chain(q))
+    assert leases.continuations.share("qa") == 0 and leases.leased("b", NOW) == 0
+    agent_steps(leases, 8)
+    assert leases.continuations.share("bot") > 0.8 and leases.leased("a", NOW + 7) > 2500
+
+
+def test_a_prompt_end_two_interactions_share_recognizes_neither():
+    """Two single questions whose prompts end inside the same system-prompt block (the
+    questions shorter than a block): a third call on that prompt continues neither."""
+    from lb.core.continuations import IMPLICIT
+    from lb.core.prefix import request_chain
+
+    leases = KvLeases(ttl_s=5.0)
+    for rid, question in (("q1", "Why?"), ("q2", "How?")):
+        call = undeclared(rid, SYSTEM + question)
+        leases.continuations.recognize(call, request_chain(call))
+        assert call.extra[IMPLICIT] == rid  # the same prompt again is a new question
+        leases.answered(call, "a", 400, 50, NOW, request_chain(call))
+    later = undeclared("q3", SYSTEM + "What? " + "and more " * 30)
+    leases.continuations.recognize(later, request_chain(later))
+    assert later.extra[IMPLICIT] == "q3"
+
+
+def test_past_capacity_an_undeclared_agents_next_step_finds_its_context_held():
+    """The scheduler recognizes the undeclared agent's steps: once it has seen the agent's
+    calls continued, a new session waits in the LB while the agent's context is leased, and
+    the agent's next step, when it comes, goes first."""
+    s = Scheduler(SchedulerConfig(lease_s=5.0), make_policy("predicted-ttft"), make_queue("fcfs"))
+    a = Rep("a")
+    call = undeclared("s0", SYSTEM + "Task: fix the failing test in parser.py. " * 8)
+    for i in range(4):
+        if i:
+            call = undeclared(f"s{i}", call.prompt + f"read('parser{i}.py')" + "def parse(text): ... " * 40)
+        t = NOW + 5 * i
+        s.admit(QueueEntry(call, enqueued_at=t, seq=i), t)
+        assert [p.target_id for p in s.schedule(t, [a])] == ["a"]
+        s.ended(call.request_id)
+        s.served(call, "a", 0.5, 4.0, 200, t + 4)
+        a.view.outstanding = a.view.pushed_since_probe = a.view.pushed_tokens_since_probe = 0
+    a.view.kv_free_tokens = 1000  # other sessions run there too
+
+    t = NOW + 19.2
+    s.admit(QueueEntry(undeclared("n0", SYSTEM + "Task: add a --verbose flag. " * 8, user="other"), enqueued_at=t,
+                       seq=10), t)
+    assert s.schedule(t, [a]) == [] and a.view.leased_tokens > 2000  # it would evict the agent's context
+    nxt = undeclared("s4", call.prompt + "edit(...)" * 20)
+    s.admit(QueueEntry(nxt, enqueued_at=t + 0.5, seq=11), t + 0.5)
+    out = s.schedule(t + 0.5, [a])
+    assert [(p.entry.facts.request_id, p.target_id) for p in out] == [("s4", "a")] and a.view.leased_tokens == 0
+    off = Scheduler(SchedulerConfig(lease_s=0.0), make_policy("predicted-ttft"), make_queue("fcfs"))
+    x = undeclared("x", SYSTEM)
+    off.admit(QueueEntry(x, enqueued_at=NOW, seq=0), NOW)
+    assert "lb.continuations.interaction" not in x.extra  # leases off: no prompt is read for them

@@ -42,3 +42,29 @@ def test_an_interactions_context_is_leased_between_its_calls(procs, tmp_path, le
 
     call(lb, 2, {"x-lb-interaction-id": "task-1", "x-lb-final-call": "true"})  # its last call
     assert leased(lb) == 0
+
+
+def test_an_agent_that_sends_no_headers_is_known_by_its_prompts(procs, tmp_path):
+    """The `openai` SDK as a third-party agent uses it: no `x-lb-*` header, each step's messages
+    the last step's, its answer and the tool's output. `lb` recognizes the steps as one
+    interaction and leases its context once it has seen the agent's calls continued; a user
+    asking single questions beside it leases nothing."""
+    import openai
+
+    lb, _ = start_lb_with_emulator(procs, tmp_path, "[pushing]\nlease_s = 60\n", "--speed", "4")
+    client = openai.OpenAI(base_url=lb.url + "/v1", api_key="unused", max_retries=0)
+    for i in range(6):
+        client.chat.completions.create(model="m", user="qa", max_tokens=8, messages=[
+            {"role": "system", "content": "You answer questions about this repository. " * 20},
+            {"role": "user", "content": f"Question {i}: what does module {i} do? " * 8}])
+    assert leased(lb) == 0
+
+    messages = [{"role": "system", "content": "You are a coding agent. Tools: read, edit, run. " * 30},
+                {"role": "user", "content": "Task: fix the failing test in parser.py. " * 8}]
+    for step in range(6):
+        answer = client.chat.completions.create(model="m", user="agent", max_tokens=8, messages=messages,
+                                                extra_body={"ignore_eos": True})
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": f"tool output of step {step}: " + "ok " * 60}]
+    context = answer.usage.prompt_tokens + answer.usage.completion_tokens
+    assert 0.5 * context < leased(lb) < context  # 5 of its 6 calls continued: that share of the context
