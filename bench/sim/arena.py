@@ -223,8 +223,11 @@ class Arena:
 
     def __init__(self, fleet: FleetSpec, system: str, *, seed: int, lb_cfg: LBConfig | None = None,
                  peer: PeerPolicy | None = None, http_s: float = HTTP_S, http_jitter: float = 0.0,
-                 jitter_seed: int = 0, stream: bool = True, max_tokens: str | int = EXACT):
+                 jitter_seed: int = 0, stream: bool = True, max_tokens: str | int = EXACT, headers: bool = True):
         self.fleet, self.system, self.seed = fleet, system, seed
+        # False: clients send none of lb's headers (session, interaction, stage, last call, app),
+        # as third-party clients do; the `user` field stays (the OpenAI body carries it)
+        self.headers = headers
         self.max_tokens = check_max_tokens(max_tokens)  # what clients declare (`declared_max_tokens`)
         self._http_s, self._jitter = http_s, http_jitter
         self.stream = stream  # False: every client asks for whole answers: the LB sees no first token
@@ -272,6 +275,9 @@ class Arena:
         tokens = call.tokens[: self.limit - 16]
         output = max(1, min(call.output_tokens, self.limit - len(tokens)))
         call.tokens, call.output_tokens = tokens, output
+        if not self.headers:
+            call.session = call.interaction_id = call.app = call.stage = None
+            call.final = False
         sent = self.loop.now
         self.sent += 1
         self.callbacks[call.request_id] = (call, sent, on_done)

@@ -62,9 +62,9 @@ def chosen_systems(spec: str | None) -> list[str]:
 
 
 def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True,
-               lb_cfg: LBConfig | None = None, max_tokens: str | int = EXACT) -> Arena:
+               lb_cfg: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True) -> Arena:
     fleet = fleet or get(workload).fleet
-    client = {"stream": stream, "max_tokens": max_tokens}
+    client = {"stream": stream, "max_tokens": max_tokens, "headers": headers}
     if lb_cfg is not None:
         return Arena(fleet, system, seed=seed, lb_cfg=lb_cfg, **client)
     if system in LB_VARIANTS:
@@ -89,13 +89,15 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
 
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens]]]); `lb_cfg`
-    (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is what
-    the clients declare (bench.workloads.base.EXACT)."""
+    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers]]]]);
+    `lb_cfg` (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is
+    what the clients declare (bench.workloads.base.EXACT); `headers` False: clients send no lb
+    header (`Arena.headers`)."""
     workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
-                       lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT)
+                       lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT,
+                       headers=rest[3] if len(rest) > 3 else True)
     driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
@@ -167,13 +169,13 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: l
 
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
              workers: int, out: Path, stream: bool = True, names: list[str] | None = None,
-             lb_file: LBConfig | None = None, max_tokens: str | int = EXACT) -> dict:
+             lb_file: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True) -> dict:
     """Every system of `names` (default all) on the same arrivals, and with `lb_file` lb with
     those settings as `LB_FROM_FILE`."""
     rate = load * capacity
     names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
     jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None,
-             max_tokens) for seed in range(seeds) for system in names]
+             max_tokens, headers) for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -182,7 +184,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
         runs = list(map(run_one, jobs))
     summary = summarize(workload, seeds, runs, {
         "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s, "stream": stream,
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens, "headers": headers,
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
@@ -229,6 +231,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="what clients declare as max_tokens: exact (the answer's length, the default: an "
                              "oracle), none (nothing, as chat clients), or N tokens (a loose cap, as reasoning "
                              "clients); the answers are as long either way")
+    parser.add_argument("--no-session-headers", action="store_true",
+                        help="clients send none of lb's headers (x-lb-session, x-lb-interaction-id, its stage and "
+                             "last call, x-lb-app), as third-party clients (the openai SDK) do; the OpenAI `user` "
+                             "field stays. lb then knows an interaction by its prompts (lb.core.continuations)")
     parser.add_argument("--duration", type=float,
                         help="virtual seconds per run (default: the workload's, 300; --quick 150). Longer runs show "
                              "what only a steady state shows: a learned rate that drifts took ~10 minutes to appear")
@@ -303,12 +309,14 @@ def run(args: argparse.Namespace) -> int:
         where = out / f"load-{load:g}" if args.sweep else out
         summaries[load] = run_load(name, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
                                    workers=args.workers, out=where, stream=not args.no_stream, names=names,
-                                   lb_file=lb_file, max_tokens=max_tokens)
+                                   lb_file=lb_file, max_tokens=max_tokens,
+                                   headers=not getattr(args, "no_session_headers", False))
         from bench.sim.compare_report import table
 
         print(f"\n{name}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
               + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else "")
-              + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else ""))
+              + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else "")
+              + (" (clients send no lb headers)" if getattr(args, "no_session_headers", False) else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot

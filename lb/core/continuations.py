@@ -15,11 +15,18 @@ questions, a tree's leaves. So each user's continued share is learned (decayed o
 an answered context, one who asks single questions ~0. At 1.3x capacity, leasing every
 undeclared call in full cost document Q&A 22 % of its throughput and bursty tenants 6 %.
 
+How long a continuation takes to come is learned per user as well: the gap from an answer to
+the call continuing it (the tool's run, the user's typing). A lease waits for a next call at most
+`GAP_MARGIN` times the longest of the user's last `GAPS_KEPT` gaps: a tree's next calls come the
+moment its answers do, so the lease of a leaf that no call continues ends at once instead of
+holding its share of room for `lease_s` (that had cost Tree of Thoughts without headers 16 % of
+the trees finished a second at 1.3x capacity, the requests served level).
+
 Pure and bounded: prompt ends and users kept at most `MAX_PROMPT_ENDS` and `MAX_USERS`.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from lb.core.types import RequestFacts
 
@@ -34,6 +41,11 @@ MAX_USERS = 4096
 DECAY = 1.0 - 1.0 / 64
 # A user with fewer answered calls than this (decayed) is given everyone's share.
 MIN_ANSWERED = 4.0
+# Gaps from an answer to its continuation kept per user, and how many before they bound a lease.
+GAPS_KEPT = 32
+MIN_GAPS = 4
+# A lease waits this many times the longest recent gap (the gaps vary: a tool runs 1 s, then 4 s).
+GAP_MARGIN = 1.5
 
 
 def declares(facts: RequestFacts) -> bool:
@@ -44,12 +56,13 @@ def declares(facts: RequestFacts) -> bool:
 class Continuations:
     def __init__(self):
         # an answered undeclared call's last whole prompt block → [its interaction (None: two
-        # interactions ended a prompt there), its user, continued yet?]
+        # interactions ended a prompt there), its user, continued yet?, answered at]
         self._ends: OrderedDict[int, list] = OrderedDict()
-        self._users: OrderedDict[str, list[float]] = OrderedDict()  # user → [answered, continued], decayed
+        # user → [answered, continued (both decayed), the last gaps to a continuation]
+        self._users: OrderedDict[str, list] = OrderedDict()
         self._all = [0.0, 0.0]  # every user's together
 
-    def recognize(self, facts: RequestFacts, chain: list[int]) -> None:
+    def recognize(self, facts: RequestFacts, chain: list[int], now: float) -> None:
         """An undeclared call arrived: it joins the interaction of the latest answered prompt it
         extends by a whole block at least (`chain`: its prefix chain), else starts its own."""
         if declares(facts) or IMPLICIT in facts.extra:
@@ -62,11 +75,11 @@ class Continuations:
                     key = end[0]
                     if key is not None and not end[2]:
                         end[2] = True
-                        self._continued(end[1])
+                        self._continued(end[1], now - end[3])
                     break
         facts.extra[IMPLICIT] = key or facts.request_id
 
-    def answered(self, facts: RequestFacts, chain: list[int] | None) -> None:
+    def answered(self, facts: RequestFacts, chain: list[int] | None, now: float) -> None:
         """An undeclared call was answered: a later call extending its prompt continues it."""
         key = facts.extra.get(IMPLICIT)
         if declares(facts) or key is None or not chain:
@@ -74,10 +87,10 @@ class Continuations:
         user = facts.user or ""
         ends, last = self._ends, chain[-1]
         known = ends.pop(last, None)
-        ends[last] = [key if known is None or known[0] == key else None, user, False]
+        ends[last] = [key if known is None or known[0] == key else None, user, False, now]
         while len(ends) > MAX_PROMPT_ENDS:
             ends.popitem(last=False)
-        counts = self._users.pop(user, None) or [0.0, 0.0]
+        counts = self._users.pop(user, None) or [0.0, 0.0, deque(maxlen=GAPS_KEPT)]
         self._users[user] = counts
         while len(self._users) > MAX_USERS:
             self._users.popitem(last=False)
@@ -85,10 +98,21 @@ class Continuations:
             c[0] = c[0] * DECAY + 1.0
             c[1] *= DECAY
 
-    def _continued(self, user: str) -> None:
-        for c in (self._users.get(user), self._all):
+    def _continued(self, user: str, gap_s: float) -> None:
+        counts = self._users.get(user)
+        if counts is not None:
+            counts[2].append(max(0.0, gap_s))
+        for c in (counts, self._all):
             if c is not None:
                 c[1] = min(c[0], c[1] + 1.0)
+
+    def lease_s(self, user: str | None, longest: float) -> float:
+        """How long `user`'s next call is worth waiting for: `GAP_MARGIN` times the longest of
+        their recent gaps to a continuation, at most `longest` (`longest` until they have a few)."""
+        counts = self._users.get(user or "")
+        if counts is None or len(counts[2]) < MIN_GAPS:
+            return longest
+        return min(longest, GAP_MARGIN * max(counts[2]))
 
     def share(self, user: str | None) -> float:
         """The share of `user`'s answered undeclared calls that a next call continued (everyone's

@@ -33,6 +33,7 @@ Pure: the scheduler passes `now`; bounded per replica.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from lb.core.continuations import IMPLICIT, Continuations, declares
@@ -56,8 +57,9 @@ def lease_key(facts: RequestFacts) -> str | None:
 class KvLeases:
     def __init__(self, ttl_s: float = DEFAULT_LEASE_S):
         self.ttl_s = ttl_s
-        # target → {interaction → (tokens, leased at)}, oldest first
+        # target → {interaction → (tokens, expires at)}, oldest first
         self._by_target: dict[str, OrderedDict[str, tuple[int, float]]] = {}
+        self._expiry: dict[str, list[tuple[float, str]]] = {}  # target → (expires at, interaction), a heap
         self._where: dict[str, str] = {}  # interaction → the target holding its lease
         self._tokens: dict[str, int] = {}  # target → its leases' tokens (kept as they come and go)
         self._in_flight: dict[str, int] = {}  # interaction → its calls placed and not ended
@@ -72,18 +74,24 @@ class KvLeases:
         key = lease_key(facts)
         if key is None or self.ttl_s <= 0:
             return
-        self.continuations.answered(facts, chain)
+        self.continuations.answered(facts, chain, now)
         self.end(key)
         others = self._in_flight.get(key, 0) - (facts.request_id in self._calls)
         if facts.final_call or others > 0:
             return
-        tokens = max(0, prompt_tokens) + max(0, output_tokens)
+        tokens, ttl_s = max(0, prompt_tokens) + max(0, output_tokens), self.ttl_s
         if not declares(facts):  # it may be the interaction's last: as likely as its user's calls are
             tokens = round(tokens * self.continuations.share(facts.user))
-            if not tokens:
+            ttl_s = self.continuations.lease_s(facts.user, ttl_s)
+            if not tokens or ttl_s <= 0:
                 return
         leases = self._by_target.setdefault(target_id, OrderedDict())
-        leases[key] = (tokens, now)
+        leases[key] = (tokens, now + ttl_s)
+        expiry = self._expiry.setdefault(target_id, [])
+        heapq.heappush(expiry, (now + ttl_s, key))
+        if len(expiry) > 2 * len(leases) + 64:  # leases that ended early: their entries go
+            expiry[:] = [(at, k) for k, (_, at) in leases.items()]
+            heapq.heapify(expiry)
         self._where[key] = target_id
         self._tokens[target_id] = self._tokens.get(target_id, 0) + tokens
         while len(leases) > MAX_LEASES_PER_TARGET:
@@ -128,13 +136,18 @@ class KvLeases:
         self._tokens[target_id] -= tokens
 
     def leased(self, target_id: str, now: float) -> int:
-        """Tokens leased on `target_id` now (the expired leases end here, oldest first)."""
+        """Tokens leased on `target_id` now (the expired leases end here)."""
         leases = self._by_target.get(target_id)
         if not leases:
             return 0
-        horizon = now - self.ttl_s
-        while leases and next(iter(leases.values()))[1] < horizon:
-            self._drop_oldest(target_id, leases)
+        expiry = self._expiry[target_id]
+        while expiry and expiry[0][0] < now:
+            at, key = heapq.heappop(expiry)
+            lease = leases.get(key)
+            if lease is not None and lease[1] == at:  # not a lease that ended or was renewed
+                del leases[key]
+                self._where.pop(key, None)
+                self._tokens[target_id] -= lease[0]
         return self._tokens[target_id]
 
     def forget(self, target_id: str) -> None:
@@ -142,6 +155,7 @@ class KvLeases:
         for key in self._by_target.pop(target_id, {}):
             self._where.pop(key, None)
         self._tokens.pop(target_id, None)
+        self._expiry.pop(target_id, None)
 
     def __len__(self) -> int:
         return len(self._where)

@@ -243,7 +243,7 @@ class Scheduler:
         self._count(entry, 1)
         chain = self._undeclared_chain(entry.facts)
         if chain is not None:
-            self.leases.continuations.recognize(entry.facts, chain)
+            self.leases.continuations.recognize(entry.facts, chain, now)
         self.leases.arrived(entry.facts)
         return None
 

@@ -662,3 +662,23 @@ def test_a_workload_runs_on_a_fleet_k_times_larger_with_its_capacity_measured_th
                       ({"workload": "tot*x", "fleet_scale": 1}, r"'tot\*x': the fleet's scale after '\*' must be")):
         with pytest.raises(SystemExit, match=says):
             compare.run(compare.argparse.Namespace(**{**vars(args), **bad}))
+
+
+def test_clients_without_lb_headers_reach_lb_as_third_party_clients_and_their_steps_are_recognized():
+    """`--no-session-headers`: the agent's calls carry no session, interaction, stage or last
+    call; lb's scheduler (the daemon's) recognizes the steps by their prompts and learns each
+    client's share of calls continued. With headers it never needs to."""
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import get
+
+    shares = {}
+    for headers in (True, False):
+        arena = make_arena("agent", "lb", seed=2, headers=headers)
+        get("agent").drive(arena, seed=2, rate_rps=0.5, stop_at=200.0)
+        arena.loop.run(200.0)
+        assert len(arena.done) > 50
+        assert all(d.req.facts.session is None and d.req.facts.interaction_id is None for d in arena.done) != headers
+        scheduler = next(iter(arena.fronts.values())).scheduler
+        shares[headers] = {u: scheduler.leases.continuations.share(u) for u in {d.req.facts.user for d in arena.done}}
+    assert set(shares[True].values()) == {0.0}  # declared: nothing to recognize
+    assert sorted(shares[False].values())[len(shares[False]) // 2] > 0.6  # most clients' steps continue

@@ -3,6 +3,8 @@ room SP-P pushes other work into; the lease ends when the next call arrives, at 
 interaction's last call, or after `ttl_s`. Time is passed in."""
 from __future__ import annotations
 
+import pytest
+
 from lb.core.leases import MAX_LEASES_PER_TARGET, KvLeases
 from lb.core.policies import make_policy
 from lb.core.pushing import has_headroom
@@ -166,7 +168,7 @@ def agent_steps(leases: KvLeases, n: int, *, target: str = "a", at: float = NOW)
     for i in range(n):
         if i:
             call = undeclared(f"s{i}", call.prompt + f"read('parser{i}.py')" + "def parse(text): ... " * 40)
-        leases.continuations.recognize(call, request_chain(call))
+        leases.continuations.recognize(call, request_chain(call), at + i)
         leases.arrived(call)
         leases.placed(call)
         leases.ended(call.request_id)
@@ -192,12 +194,12 @@ def test_a_call_without_headers_is_known_by_its_prompt_extending_an_answered_one
     assert 0.7 < share < 0.8 and leases.leased("a", NOW + 3) == round(3200 * share)
 
     other = undeclared("o0", SYSTEM + "Task: add a --verbose flag to cli.py. " * 8)
-    leases.continuations.recognize(other, request_chain(other))
+    leases.continuations.recognize(other, request_chain(other), NOW + 3)
     leases.arrived(other)
     assert other.extra[IMPLICIT] == "o0" and leases.leased("a", NOW + 3) > 0  # not the agent's next step
 
     nxt = undeclared("s4", last.prompt + "edit(...)" * 20)
-    leases.continuations.recognize(nxt, request_chain(nxt))
+    leases.continuations.recognize(nxt, request_chain(nxt), NOW + 3)
     leases.arrived(nxt)
     assert nxt.extra[IMPLICIT] == "s0" and leases.leased("a", NOW + 3) == 0
 
@@ -208,7 +210,7 @@ def test_a_user_asking_single_questions_leases_nothing_an_agent_beside_it_does()
     leases = KvLeases(ttl_s=5.0)
     for i in range(20):
         q = undeclared(f"q{i}", SYSTEM + f"Question {i}: what does this code do? " * 6, user="qa")
-        leases.continuations.recognize(q, request_chain(q))
+        leases.continuations.recognize(q, request_chain(q), NOW)
         leases.answered(q, "b", 2000, 100, NOW, request_chain(q))
     assert leases.continuations.share("qa") == 0 and leases.leased("b", NOW) == 0
     agent_steps(leases, 8)
@@ -224,11 +226,11 @@ def test_a_prompt_end_two_interactions_share_recognizes_neither():
     leases = KvLeases(ttl_s=5.0)
     for rid, question in (("q1", "Why?"), ("q2", "How?")):
         call = undeclared(rid, SYSTEM + question)
-        leases.continuations.recognize(call, request_chain(call))
+        leases.continuations.recognize(call, request_chain(call), NOW)
         assert call.extra[IMPLICIT] == rid  # the same prompt again is a new question
         leases.answered(call, "a", 400, 50, NOW, request_chain(call))
     later = undeclared("q3", SYSTEM + "What? " + "and more " * 30)
-    leases.continuations.recognize(later, request_chain(later))
+    leases.continuations.recognize(later, request_chain(later), NOW)
     assert later.extra[IMPLICIT] == "q3"
 
 
@@ -262,3 +264,29 @@ def test_past_capacity_an_undeclared_agents_next_step_finds_its_context_held():
     x = undeclared("x", SYSTEM)
     off.admit(QueueEntry(x, enqueued_at=NOW, seq=0), NOW)
     assert "lb.continuations.interaction" not in x.extra  # leases off: no prompt is read for them
+
+
+def test_a_user_whose_calls_are_continued_at_once_holds_an_uncontinued_lease_only_that_long():
+    """A tree's next calls come the moment its answers do: once the gaps are known, a leaf's
+    lease (no call continues it) ends after `GAP_MARGIN` times the longest gap, not `ttl_s`;
+    an agent whose tools run a second keeps its lease 1.5 s, and never past `ttl_s`."""
+    from lb.core.continuations import GAP_MARGIN
+    from lb.core.prefix import request_chain
+
+    fast = KvLeases(ttl_s=5.0)
+    call = undeclared("t0", SYSTEM + "Think about the problem step by step. " * 8)
+    for i in range(8):
+        if i:
+            call = undeclared(f"t{i}", call.prompt + f"thought {i}: " + "consider the next case " * 8)
+        fast.continuations.recognize(call, request_chain(call), NOW + 0.01 * i)
+        fast.arrived(call)
+        fast.answered(call, "a", 3000, 100, NOW + 0.01 * i, request_chain(call))
+    assert fast.continuations.lease_s("bot", 5.0) == pytest.approx(GAP_MARGIN * 0.01)
+    leaf = NOW + 0.07  # the last answer: no call continues it
+    assert fast.leased("a", leaf) > 0 and fast.leased("a", leaf + 0.02) == 0  # not 5 s later
+
+    slow = KvLeases(ttl_s=5.0)
+    agent_steps(slow, 8)  # each step 1 s after the last
+    assert slow.continuations.lease_s("bot", 5.0) == pytest.approx(GAP_MARGIN * 1.0)
+    assert slow.leased("a", NOW + 8) > 0 and slow.leased("a", NOW + 8.6) == 0
+    assert slow.continuations.lease_s("bot", 1.0) == 1.0
