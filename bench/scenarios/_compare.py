@@ -312,6 +312,8 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
             raise SystemExit(f"--clients: {c.scenario} replays its trace open loop; it has no closed-loop clients")
         if clients < 1:
             raise SystemExit("--clients must be >= 1")
+        if clients != c.clients:
+            c.notes = [*c.notes, f"--clients {clients}: {clients} closed-loop clients, not the scenario's {c.clients}"]
         c.clients = clients
         c.options.append(f"--clients {clients}")
     if systems:

@@ -209,7 +209,7 @@ def test_an_operators_own_config_runs_beside_the_default_its_durations_in_engine
                    '[affinity]\nhold_s = 2.0\n\n[[replicas]]\nurl = "http://127.0.0.1:9"\n')
     c = with_run_options(tiny([lb()]), 1, clients=6, lb_config=str(own))
     assert [s.name for s in c.systems] == ["lb predicted-ttft/sp-pending", LB_FROM_FILE] and c.clients == 6
-    assert c.options == ["--clients 6", f"--lb-config {own}"]
+    assert c.options == ["--clients 6", f"--lb-config {own}"] and c.notes[-1].startswith("--clients 6: 6 closed-loop")
     summary = run_compare(c, tmp_path / "out")
     check_summary(summary, c.systems)
     assert set(summary["variants"]) == {s.name for s in c.systems}, summary["skipped"]
