@@ -7,7 +7,11 @@ came after, so its prefix chain (`lb.core.prefix`) holds the earlier prompt's la
 `recognize` gives such a call the earlier call's interaction, and a call that continues none its
 own. The same prompt sent again (it extends the earlier one by no whole block) is a new
 question, not a next step; a block where two interactions' prompts ended (a shared system
-prompt and questions shorter than a block) recognizes neither.
+prompt and questions shorter than a block) recognizes neither. Two things use what is
+recognized: the KV leases (`lb.core.leases`) and the fair queue, which keeps a recognized
+interaction's rank as a declared one's (`interaction_of`, `lb.core.queueing.WSCQueue`);
+without it agents without headers at 1.3x capacity finished 0.144 sessions a second against
+0.225 with headers.
 
 Leasing the context of every answered call would hold room for calls that never come: single
 questions, a tree's leaves. So each user's continued share is learned (decayed over their last
@@ -51,6 +55,21 @@ GAP_MARGIN = 1.5
 def declares(facts: RequestFacts) -> bool:
     """Does the call name its interaction (headers), or must its prompt tell?"""
     return bool(facts.interaction_id or facts.session)
+
+
+def recognized_continuation(facts: RequestFacts) -> bool:
+    """Was the undeclared call recognized to continue an answered call (a later stage)?"""
+    key = facts.extra.get(IMPLICIT)
+    return key is not None and key != facts.request_id
+
+
+def interaction_of(facts: RequestFacts) -> str | None:
+    """The interaction the call names, else the one it was recognized to continue: the fair
+    queue keeps such an interaction's rank as a declared one's from its second call on (a
+    first call is not known to start one; a single question starts none)."""
+    if facts.interaction_id is not None:
+        return facts.interaction_id
+    return facts.extra.get(IMPLICIT) if recognized_continuation(facts) else None
 
 
 class Continuations:

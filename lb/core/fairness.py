@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
+from .continuations import recognized_continuation
 from .ewma import EwmaTable
 from .types import RequestFacts
 
@@ -221,8 +222,8 @@ class InteractionLedger:
         self.interactions_aborted = 0
 
     def in_progress(self, facts: RequestFacts, now: float) -> bool:
-        if facts.interaction_id is None:
-            return False
+        if facts.interaction_id is None:  # an undeclared call: in progress if its prompt said so
+            return recognized_continuation(facts)
         self._expire(now)
         return facts.interaction_id in self._spent or (facts.interaction_stage or 0) > 0
 

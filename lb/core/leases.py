@@ -72,9 +72,11 @@ class KvLeases:
         (prompt and answer) stays leased there until the next call comes or `ttl_s` passes.
         `chain`: the prompt's prefix chain, by which an undeclared call's next one is known."""
         key = lease_key(facts)
-        if key is None or self.ttl_s <= 0:
+        if key is None:
             return
-        self.continuations.answered(facts, chain, now)
+        self.continuations.answered(facts, chain, now)  # (leases off, the fair queue still recognizes)
+        if self.ttl_s <= 0:
+            return
         self.end(key)
         others = self._in_flight.get(key, 0) - (facts.request_id in self._calls)
         if facts.final_call or others > 0:

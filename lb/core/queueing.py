@@ -32,6 +32,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
+from lb.core.continuations import interaction_of, recognized_continuation
 from lb.core.fairness import VTC_CONFIG, WeightedService
 from lb.core.tiers import TIER_RANK, TierConfig
 from lb.core.types import QueueEntry, RequestFacts, Tier
@@ -356,9 +357,12 @@ class DPAQueue(_MembershipQueue):
 
 
 def mid_interaction(facts: RequestFacts, now: float) -> bool:
-    """Default in-progress test: the client says this is a later stage of an interaction
-    (the daemon passes `InteractionLedger.in_progress` to also know what it dispatched)."""
-    return facts.interaction_id is not None and (facts.interaction_stage or 0) > 0
+    """Default in-progress test: the client says this is a later stage of an interaction, or
+    its prompt showed it continues one (lb.core.continuations) (the daemon passes
+    `InteractionLedger.in_progress` to also know what it dispatched)."""
+    if facts.interaction_id is None:
+        return recognized_continuation(facts)
+    return (facts.interaction_stage or 0) > 0
 
 
 # Interactions whose anchor `WSCQueue` keeps: a few MB at most, and more than an LB has under way.
@@ -415,7 +419,7 @@ class WSCQueue(_MembershipQueue):
         mine[entry] = None
         if last is not None and self._seq[entry] < self._seq[last]:  # a retry: back to its arrival place
             self._by_user[user] = dict.fromkeys(sorted(mine, key=self._seq.__getitem__))
-        if entry.facts.interaction_id is not None:
+        if interaction_of(entry.facts) is not None:
             self._interactive.setdefault(user, {})[entry] = None
         self._changed.add(user)  # a new user, or a retry at its head
 
@@ -452,7 +456,7 @@ class WSCQueue(_MembershipQueue):
         """An interaction's first dispatch sets its anchor: its user's counter before the
         charge. Kept for the `ANCHORS_KEPT` interactions dispatched to most recently (one
         forgotten just loses its credit)."""
-        iid = facts.interaction_id
+        iid = interaction_of(facts)
         if iid is None or self.service.cfg.interaction_credit <= 0:
             return
         if iid in self._anchors:
@@ -475,7 +479,7 @@ class WSCQueue(_MembershipQueue):
         by no more than the credit."""
         standing = self.service.standing(user, now)
         for entry in itertools.islice(self._interactive.get(user, ()), 16):  # the oldest few
-            anchor = self._anchors.get(entry.facts.interaction_id)
+            anchor = self._anchors.get(interaction_of(entry.facts))
             if anchor is not None and self.in_progress(entry.facts, now):
                 return min(standing, max(anchor, standing - self.service.cfg.interaction_credit))
         return standing

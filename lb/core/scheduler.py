@@ -239,19 +239,19 @@ class Scheduler:
             return Placement(entry, Kind.REJECT, reason=SHUTTING_DOWN)
         if self.cfg.max_queue is not None and len(self.queue) >= self.cfg.max_queue:
             return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
+        chain = self._undeclared_chain(entry.facts)
+        if chain is not None:  # before the queue: a continuation keeps its interaction's rank there
+            self.leases.continuations.recognize(entry.facts, chain, now)
         self.queue.push(entry)
         self._count(entry, 1)
-        chain = self._undeclared_chain(entry.facts)
-        if chain is not None:
-            self.leases.continuations.recognize(entry.facts, chain, now)
         self.leases.arrived(entry.facts)
         return None
 
     def _undeclared_chain(self, facts: RequestFacts) -> list[int] | None:
-        """The prefix chain by which leases know an undeclared call's interaction (None when
-        the call names it, leases are off, or no prefix memory hashes prompts)."""
+        """The prefix chain by which an undeclared call's interaction is known (None when the
+        call names it, or no prefix memory hashes prompts)."""
         memory = self.affinity.memory
-        if memory is None or self.leases.ttl_s <= 0 or declares(facts):
+        if memory is None or declares(facts):
             return None
         return request_chain(facts, memory.block_chars, memory.isolate_tenants)
 

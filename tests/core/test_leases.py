@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lb.core.continuations import interaction_of
 from lb.core.leases import MAX_LEASES_PER_TARGET, KvLeases
 from lb.core.policies import make_policy
 from lb.core.pushing import has_headroom
@@ -261,9 +262,15 @@ def test_past_capacity_an_undeclared_agents_next_step_finds_its_context_held():
     out = s.schedule(t + 0.5, [a])
     assert [(p.entry.facts.request_id, p.target_id) for p in out] == [("s4", "a")] and a.view.leased_tokens == 0
     off = Scheduler(SchedulerConfig(lease_s=0.0), make_policy("predicted-ttft"), make_queue("fcfs"))
-    x = undeclared("x", SYSTEM)
-    off.admit(QueueEntry(x, enqueued_at=NOW, seq=0), NOW)
-    assert "lb.continuations.interaction" not in x.extra  # leases off: no prompt is read for them
+    a = Rep("a")
+    first = SYSTEM + "Task: fix the failing test in parser.py. " * 8
+    steps = (undeclared("s0", first), undeclared("s1", first + "read('parser1.py')" + "def parse(text): ... " * 40))
+    for i, fresh in enumerate(steps):  # leases off: the steps are still known (the fair queue's), none leases
+        off.admit(QueueEntry(fresh, enqueued_at=NOW + i, seq=i), NOW + i)
+        assert [p.target_id for p in off.schedule(NOW + i, [a])] == ["a"]
+        off.ended(fresh.request_id)
+        off.served(fresh, "a", 0.5, 1.0, 200, NOW + i + 0.5)
+        assert interaction_of(fresh) == (None if i == 0 else "s0") and off.leases.leased("a", NOW + i + 0.5) == 0
 
 
 def test_a_user_whose_calls_are_continued_at_once_holds_an_uncontinued_lease_only_that_long():

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lb.core.continuations import IMPLICIT, interaction_of
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import (QUEUE_ORDERS, RECENTLY_EXPIRED, RELAXED_F, RELAXED_N, SEVERELY_EXPIRED, URGENT_F,
                               URGENT_N, FCFSQueue, dpa_class, make_queue)
@@ -590,40 +591,54 @@ def test_dpa_entries_exactly_on_a_class_bound_rank_as_ranking_every_entry_does()
            [e.facts.request_id for e in ref.iter_in_order(10.0)] == ["b2", "b3", "n", "b4", "b5", "b0", "b1"]
 
 
-def _tree_then_newcomers(credit: float) -> tuple[WeightedService, list[str]]:
+def _tree_then_newcomers(credit: float, declared: bool = True) -> tuple[WeightedService, list[str]]:
     """A wide tree dispatches its root and 20 calls (its user far above everyone), then a new
     one-call user arrives each second while the tree's last leaf waits: the order served.
     (The papers' placement, `half_life_s = 0`, so that a newcomer's counter is plainly the
-    least active one; the anchor does not depend on how newcomers are placed.)"""
+    least active one; the anchor does not depend on how newcomers are placed.) Undeclared:
+    no call names its interaction; the tree's calls after the root were recognized by their
+    prompts as continuing it (lb.core.continuations), each newcomer's as its own: its rank
+    is kept from its second call (the root is not known to start anything), at counter 1."""
     svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0.0, interaction_credit=credit)
     q = make_queue("wsc", service=svc)
-    q.push(entry("w0", t=0, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=0))
-    q.push(entry("s0", t=0, user="small", prompt_tokens=1, interaction_id="s", interaction_stage=0))
+
+    def call(rid: str, t: float, user: str, interaction: str, stage: int, tokens: int = 1) -> QueueEntry:
+        if declared:
+            return entry(rid, t=t, user=user, prompt_tokens=tokens, interaction_id=interaction, interaction_stage=stage)
+        e = entry(rid, t=t, user=user, prompt_tokens=tokens)
+        e.facts.extra[IMPLICIT] = rid if stage == 0 else interaction
+        assert interaction_of(e.facts) == (None if stage == 0 else interaction)
+        return e
+
+    q.push(call("w0", 0, "wide", "w0", 0))
+    q.push(call("s0", 0, "small", "s0", 0, tokens=2))
     assert [q.pop(0.0).facts.request_id for _ in range(2)] == ["w0", "s0"]
     for i in range(1, 21):
-        q.push(entry(f"w{i}", t=1, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=1))
+        q.push(call(f"w{i}", 1, "wide", "w0", 1))
         assert q.pop(1.0).facts.user == "wide"
-    q.push(entry("w21", t=2, user="wide", prompt_tokens=1, interaction_id="tree", interaction_stage=2))
+    q.push(call("w21", 2, "wide", "w0", 2))
     order = []
-    for k in range(6):  # newcomers lifted to the least active counter ("small"'s, 1)
-        q.push(entry(f"n{k}", t=3 + k, user=f"new{k}", prompt_tokens=1, interaction_id=f"n{k}", interaction_stage=0))
+    for k in range(6):  # newcomers lifted to the least active counter ("small"'s, 2)
+        q.push(call(f"n{k}", 3 + k, f"new{k}", f"n{k}", 0))
         order.append(q.pop(3.0 + k).facts.request_id)
     return svc, order
 
 
 def test_an_interaction_under_way_keeps_the_rank_it_started_at_ahead_of_users_placed_since():
-    """The tree was let in at counter 0; newcomers are placed at 1 (the least active counter):
+    """The tree was let in at counter 0; newcomers are placed at 2 (the least active counter):
     its waiting leaf goes before them, though its user's counter (21) is far above.
-    Without the credit (least attained service) the leaf waits behind every newcomer."""
-    svc, order = _tree_then_newcomers(credit=128.0)
-    assert svc.get("wide") > 20 and order[0] == "w21"
-    _, order = _tree_then_newcomers(credit=0.0)
-    assert "w21" not in order
+    Without the credit (least attained service) the leaf waits behind every newcomer. The
+    same when the client names no interaction and its calls were recognized by their prompts."""
+    for declared in (True, False):
+        svc, order = _tree_then_newcomers(credit=128.0, declared=declared)
+        assert svc.get("wide") > 20 and order[0] == "w21"
+        _, order = _tree_then_newcomers(credit=0.0, declared=declared)
+        assert "w21" not in order
 
 
 def test_the_credit_bounds_how_far_below_its_users_standing_an_interaction_ranks():
     """With a credit of 5 the tree ranks at its counter less 5 (17), still behind newcomers
-    at 1: one interaction, however long, takes at most that much at its old rank; with 30,
+    at 2: one interaction, however long, takes at most that much at its old rank; with 30,
     more than it has had, at its anchor."""
     _, order = _tree_then_newcomers(credit=5.0)
     assert "w21" not in order
