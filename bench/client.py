@@ -77,7 +77,7 @@ def chunk_text(chunk: dict) -> str:
 
 
 async def send_whole(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
-                     record: RequestRecord, clock, declared: str | int = EXACT) -> str | None:
+                     record: RequestRecord, clock, declared: str | int = EXACT, lb_headers: bool = True) -> str | None:
     """One request answered whole (`stream: false`), filling `record` (no TTFT: the client
     sees nothing before the end); returns the output text when it succeeded."""
     body = spec.body(model, declared)
@@ -86,7 +86,7 @@ async def send_whole(session: aiohttp.ClientSession, url: str, spec: RequestSpec
     sent = clock()
     try:
         async with session.post(url, data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json", **spec.headers()}) as resp:
+                                headers={"Content-Type": "application/json", **spec.headers(lb_headers)}) as resp:
             record.status = resp.status
             data = await resp.read()
     except aiohttp.ClientConnectorError:
@@ -118,9 +118,10 @@ def read_usage(record: RequestRecord, usage: dict) -> None:
 
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
-               record: RequestRecord, clock, declared: str | int = EXACT) -> str | None:
+               record: RequestRecord, clock, declared: str | int = EXACT, lb_headers: bool = True) -> str | None:
     """Stream one request, filling `record`; returns the output text when it succeeded.
-    `declared`: what max_tokens the client declares (bench.workloads.base.EXACT)."""
+    `declared`: what max_tokens the client declares (bench.workloads.base.EXACT); `lb_headers`
+    False: it sends none of lb's headers (`RequestSpec.headers`)."""
     sent = clock()
     output: list[str] = []
     last_token_at = None
@@ -128,7 +129,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, mode
     chunks = 0
     try:
         async with session.post(url, data=orjson.dumps(spec.body(model, declared)),
-                                headers={"Content-Type": "application/json", **spec.headers()}) as resp:
+                                headers={"Content-Type": "application/json", **spec.headers(lb_headers)}) as resp:
             record.status = resp.status
             if resp.status != 200:
                 await resp.read()
@@ -179,8 +180,9 @@ class Bench:
     def __init__(self, targets: list[str], workload, *, model: str, clients: int,
                  duration: float | None, requests: int | None, time_scale: float,
                  deadline: float, progress: bool, stream: bool = True, max_tokens: str | int = EXACT,
-                 program_rate: float | None = None, seed: int = 0):
+                 program_rate: float | None = None, seed: int = 0, lb_headers: bool = True):
         self.send = send if stream else send_whole
+        self.lb_headers = lb_headers
         self.declared = max_tokens
         self.urls = itertools.cycle([t.rstrip("/") + "/v1/chat/completions" for t in targets])
         self.workload, self.model, self.clients = workload, model, clients
@@ -208,7 +210,7 @@ class Bench:
                                interaction_id=spec.interaction_id, final=spec.final)
         self.records.append(record)
         task = asyncio.ensure_future(self.send(session, next(self.urls), spec, self.model, record, self.clock,
-                                                 self.declared))
+                                                 self.declared, self.lb_headers))
         self.inflight[task] = record
         task.add_done_callback(lambda t: (self.inflight.pop(t, None), self.completions.append(self.clock())))
         return task
@@ -343,7 +345,7 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
                     model: str | None = None, time_scale: float = 1.0, deadline: float | None = None,
                     progress: bool = False, params: dict | None = None,
                     stream: bool = True, max_tokens: str | int = EXACT,
-                    program_rate: float | None = None) -> tuple[dict, list[RequestRecord]]:
+                    program_rate: float | None = None, lb_headers: bool = True) -> tuple[dict, list[RequestRecord]]:
     """Run one bounded workload; returns (run JSON, per-request records). Used by scenarios."""
     if duration is None and requests is None:
         requests = DEFAULT_REQUESTS
@@ -353,10 +355,10 @@ async def run_bench(targets: list[str], workload_name: str, *, clients: int = 8,
     model = model or await discover_model(targets[0])
     bench = Bench(targets, workload, model=model, clients=clients, duration=duration,
                   requests=requests, time_scale=time_scale, deadline=deadline, progress=progress,
-                  stream=stream, max_tokens=max_tokens, program_rate=program_rate, seed=seed)
+                  stream=stream, max_tokens=max_tokens, program_rate=program_rate, seed=seed, lb_headers=lb_headers)
     result, records = await bench.run()
     result = {"target": targets[0] if len(targets) == 1 else targets, "seed": seed, "stream": stream,
-              "max_tokens": max_tokens, **result}
+              "max_tokens": max_tokens, "lb_headers": lb_headers, **result}
     return result, records
 
 
@@ -393,6 +395,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, help="write one JSON line per request here")
     parser.add_argument("--no-stream", action="store_true",
                         help="ask for whole answers (stream: false): E2E and usage only, no TTFT")
+    parser.add_argument("--no-session-headers", action="store_true",
+                        help="send none of lb's headers (x-lb-session, -interaction-id, -user, ...), as the openai SDK "
+                             "and most third-party clients do; the OpenAI `user` field stays in the body")
     parser.add_argument("--max-tokens", default=EXACT, metavar="exact|none|N",
                         help="what max_tokens to declare: exact (each answer's length, the default: an oracle "
                              "no real client is), none, or N (a loose cap: choose one the context allows); "
@@ -418,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.workload, clients=args.clients, duration=args.duration,
         requests=args.requests, seed=args.seed, model=args.model, time_scale=args.time_scale,
         deadline=args.deadline, progress=sys.stdout.isatty(), params=dict(args.param),
-        stream=not args.no_stream, max_tokens=max_tokens, program_rate=args.program_rate))
+        stream=not args.no_stream, max_tokens=max_tokens, program_rate=args.program_rate,
+        lb_headers=not args.no_session_headers))
     print(report_mod.format_run(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,7 @@ class Compare:
     quick: bool = False
     repeats: int = 1  # interleaved runs per system (lb-bench scenario compare-* --repeats N)
     stream: bool = True  # False: clients ask for whole answers (--no-stream)
+    lb_headers: bool = True  # False: clients send none of lb's headers (--no-session-headers)
     options: list[str] = field(default_factory=list)  # the command line's other options, for the report
     notes: list[str] = field(default_factory=list)
     paper: list[str] = field(default_factory=list)  # the seed papers' headline numbers
@@ -175,7 +176,8 @@ async def _regional_clients(c: Compare, targets: dict[str, list[str]]) -> dict:
 
     jobs = {r.name: run_bench(targets[r.name], c.workload, clients=r.clients, duration=c.duration_s,
                               deadline=c.deadline_s, seed=c.seed + i,
-                              params={**c.params, **c.region_params.get(r.name, {})}, stream=c.stream)
+                              params={**c.params, **c.region_params.get(r.name, {})}, stream=c.stream,
+                              lb_headers=c.lb_headers)
             for i, r in enumerate(c.regions) if r.clients > 0}
     results = await asyncio.gather(*jobs.values())
     records = [rec for _, recs in results for rec in recs]
@@ -215,7 +217,8 @@ async def _single(c: Compare, targets: list[str]) -> dict:
     from bench.client import run_bench
 
     result, _ = await run_bench(targets, c.workload, clients=c.clients, duration=c.duration_s, deadline=c.deadline_s,
-                                seed=c.seed, time_scale=c.time_scale, params=c.params, stream=c.stream)
+                                seed=c.seed, time_scale=c.time_scale, params=c.params, stream=c.stream,
+                                lb_headers=c.lb_headers)
     return result
 
 
@@ -285,14 +288,16 @@ def lb_from_file(path: str, *, regional: bool) -> System:
 
 
 def with_run_options(c: Compare, repeats: int | None, stream: bool = True, duration: float | None = None,
-                     systems: str | None = None, clients: int | None = None, lb_config: str | None = None) -> Compare:
+                     systems: str | None = None, clients: int | None = None, lb_config: str | None = None,
+                     lb_headers: bool = True) -> Compare:
     """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
     for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers.
     `--duration S`: each run's length (a longer one has a longer steady state after its
     warm-up). `--systems A,B`: only the systems of those names (as the report lists them).
     `--clients N`: closed-loop clients (one region's scenarios; past the default the fleet
     runs past its capacity). `--lb-config FILE`: also `lb` with that daemon config, as the
-    system `lb config`."""
+    system `lb config`. `--no-session-headers` (lb_headers False): clients send none of lb's
+    headers, as third-party clients (the peers that hash `X-LB-Session` then hash nothing)."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -324,6 +329,10 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
     if lb_config:
         c.systems = [*c.systems, lb_from_file(lb_config, regional=c.regions is not None)]
         c.options.append(f"--lb-config {lb_config}")
+    if not lb_headers:
+        c.lb_headers = False
+        c.options.append("--no-session-headers")
+        c.notes = [*c.notes, "clients send no x-lb-* header (the openai SDK's way): the OpenAI `user` field only"]
     if not stream:
         c.options.append("--no-stream")
         c.notes = [*c.notes, "clients ask for whole answers (stream: false): no TTFT, compare E2E"]
@@ -334,9 +343,9 @@ def scenario_runner(compare: Callable[[bool], Compare]) -> Callable[..., dict]:
     """A compare-* scenario's `run`, as `lb-bench scenario NAME [options]` calls it."""
     def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
             duration: float | None = None, systems: str | None = None, clients: int | None = None,
-            lb_config: str | None = None) -> dict:
-        return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config),
-                           out_dir)
+            lb_config: str | None = None, lb_headers: bool = True) -> dict:
+        return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config,
+                                            lb_headers), out_dir)
     return run
 
 

@@ -63,6 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="compare-* scenarios: only these systems (comma-separated names as the report lists them)")
     parser.add_argument("--no-stream", action="store_true",
                         help="compare-* scenarios: clients ask for whole answers (stream: false)")
+    parser.add_argument("--no-session-headers", action="store_true",
+                        help="compare-* scenarios: clients send none of lb's x-lb-* headers, as the openai SDK does")
     parser.add_argument("--clients", type=int, metavar="N",
                         help="compare-* scenarios in one region: closed-loop clients (more than the scenario's "
                              "default runs its fleet past capacity)")
@@ -131,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"scenario {args.name} does not take --{option.replace('_', '-')}", file=sys.stderr)
                 return 2
             extra[key] = getattr(args, option)
+    if getattr(args, "no_session_headers", False):
+        if "lb_headers" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --no-session-headers", file=sys.stderr)
+            return 2
+        extra["lb_headers"] = False
     if getattr(args, "no_stream", False):
         if "stream" not in inspect.signature(module.run).parameters:
             print(f"scenario {args.name} does not take --no-stream", file=sys.stderr)

@@ -81,7 +81,12 @@ class RequestSpec:
     delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
     meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
 
-    def headers(self) -> dict[str, str]:
+    def headers(self, lb: bool = True) -> dict[str, str]:
+        """The request's headers; `lb` False: none of lb's (session, interaction, stage, last
+        call, app, user, tier, residency), as third-party clients send (the OpenAI `user` field
+        in the body still names the user)."""
+        if not lb:
+            return {H_REQUEST_ID: self.request_id}
         pairs = {H_REQUEST_ID: self.request_id, H_USER: self.user, H_SESSION: self.session,
                  H_APP: self.app, H_INTERACTION: self.interaction_id, H_TIER: self.tier,
                  H_RESIDENCY: self.residency,

@@ -224,3 +224,20 @@ def test_a_program_rate_needs_a_program_workload(tmp_path, emulator):
     done = subprocess.run(lb_bench("run", "--target", emulator, "--workload", "azure-conv", "--program-rate", "2"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--program-rate 2.0" in done.stderr and "replays its own arrivals" in done.stderr
+
+
+def test_a_client_without_lb_headers_sends_only_its_request_id_and_the_openai_user(tmp_path, emulator):
+    """`--no-session-headers`: what the openai SDK sends. The agent's steps still run whole."""
+    from bench.workloads import make_workload
+
+    spec = make_workload("agent", seed=1).program(0, 0).start()[0]
+    assert {k.lower() for k in spec.headers()} >= {"x-lb-session", "x-lb-interaction-id", "x-lb-user"}
+    assert spec.headers(lb=False) == {"X-Request-Id": spec.request_id}
+    assert spec.body("m")["user"] == spec.user  # the OpenAI field names the user
+    params = {"system_tokens": 60, "task_tokens": [10, 20], "observation_tokens": [5, 20],
+              "output_tokens": [4, 8], "steps": [2, 3], "think_mean_s": 0.0, "max_context": 1500}
+    args = ["--workload", "agent", "--clients", "2", "--requests", "8", "--no-session-headers"]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    report, _ = bench_run(tmp_path, emulator, *args)
+    assert report["ok"] == 8 and report["errors"] == 0 and report["lb_headers"] is False
