@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet import Fleet, Service, free_port
+from bench.scenarios._lb import engine_time_config, merge_sections
 from lb.core.peering import DEFAULT_TAU
 from lb.core.policies import DEFAULT_POLICY
 
@@ -156,8 +157,9 @@ def start_testbed(fleet: Fleet, spec: ClusterSpec) -> Testbed:
         return f"http://127.0.0.1:{listen}"
 
     probe_s = 0.1 / spec.speed  # the emulators run `speed`× faster: so does the 100 ms probe
-    base = {"pushing": {"mode": spec.pushing}, "routing": {"policy": spec.policy},
-            "probes": {"interval_s": probe_s}, "server": {"access_log": False}}
+    # and every other engine-time duration, `spec.lb`'s too
+    base = engine_time_config(spec.speed, merge_sections(
+        {"pushing": {"mode": spec.pushing}, "routing": {"policy": spec.policy}}, spec.lb))
     # A status crosses the link twice (three times on a fresh connection): wait for that,
     # and call a status stale only after a probe that slow has had time to fail and retry.
     rtt_s = 2 * max((spec.latency(a, b) for a in names for b in names), default=0.0) / 1000
@@ -167,13 +169,13 @@ def start_testbed(fleet: Fleet, spec: ClusterSpec) -> Testbed:
     if spec.mode == "central":
         c = spec.central
         reps = [(via_proxy(c, r, int(s.url.rsplit(":", 1)[1])), spec.engine) for r in names for s in replicas[r]]
-        configs[c] = lb_toml({**base, **spec.lb, "server": {**base["server"], "port": lb_ports[c]}}, reps, [])
+        configs[c] = lb_toml({**base, "server": {**base["server"], "port": lb_ports[c]}}, reps, [])
         client_targets = {r: via_proxy(r, c, lb_ports[c]) for r in names}
     else:
         for n in names:
             peers = [] if spec.mode == "region-local" else [
                 {"region": p, "url": via_proxy(n, p, lb_ports[p]), "allowed_residency": ["*"]} for p in names if p != n]
-            sections = {**base, **spec.lb, "server": {**base["server"], "port": lb_ports[n]},
+            sections = {**base, "server": {**base["server"], "port": lb_ports[n]},
                         "peering": {"region": n, "policy": spec.peer_policy, "tau": spec.tau,
                                     "probe_interval_s": probe_s, "probe_timeout_s": timeout_s,
                                     "probe_timeout_max_s": max(2.0, timeout_s),

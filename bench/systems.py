@@ -34,13 +34,12 @@ from pathlib import Path
 
 from bench.cluster import ClusterSpec, Testbed, start_testbed
 from bench.fleet import Fleet, all_workers_healthy, free_port
-from bench.scenarios._lb import start_lb
+from bench.scenarios._lb import engine_time_config, merge_sections, start_lb
 from lb.core.peering import PEER_POLICIES, PeeringConfig
 from lb.core.policies import DEFAULT_POLICY
 
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
 VLLM_ROUTER_PIN = "vllm-router==0.1.17"
-PROBE_INTERVAL_S = 0.1  # lb's default, in engine time
 
 
 @dataclass(frozen=True)
@@ -91,37 +90,6 @@ def unavailable(system: System) -> str | None:
     if system.family == "nginx" and shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin:/bin") is None:
         return "nginx is not installed (apt-get install nginx)"
     return None
-
-
-def engine_time_keys() -> dict[tuple[str, str], float]:
-    """lb's settings whose durations are engine time: (section, key) → the daemon's default."""
-    keys = {("probes", "interval_s"): PROBE_INTERVAL_S}
-    try:  # newer than this module: scale them when they are there (an older commit's lb lacks them)
-        from lb.core.affinity import AffinityConfig
-        d = AffinityConfig()
-        keys.update({("affinity", "hold_s"): d.hold_s, ("affinity", "hold_per_token_s"): d.hold_per_token_s,
-                     ("affinity", "max_bypass_s"): d.max_bypass_s})
-        from lb.core.leases import DEFAULT_LEASE_S  # a session's next call comes after its tool's run
-        keys[("pushing", "lease_s")] = DEFAULT_LEASE_S
-    except ImportError:
-        pass
-    return keys
-
-
-def engine_time_config(speed: float, config: dict | None = None) -> dict:
-    """`config`'s TOML sections with every engine-time duration (`engine_time_keys`; the
-    config's value where it sets one, else the default) divided by the emulators' speed-up,
-    and no access log."""
-    out = {section: dict(values) for section, values in (config or {}).items()}
-    for (section, key), default in engine_time_keys().items():
-        values = out.setdefault(section, {})
-        values[key] = values.get(key, default) / speed
-    out.setdefault("server", {}).setdefault("access_log", False)
-    return out
-
-
-def _merge(a: dict, b: dict) -> dict:
-    return {k: {**a.get(k, {}), **b.get(k, {})} for k in {*a, *b}}
 
 
 def start(system: System, fleet: Fleet, replica_urls: list[str], *, speed: float = 1.0,
@@ -220,11 +188,9 @@ def start_regional(system: System, fleet: Fleet, spec: ClusterSpec, central: str
     """`system` over `spec`'s regions: lb per region with peering when `system.regional`,
     else one coordinator in `central` that every other region reaches across the WAN."""
     if system.family == "lb":
-        lb_sections = engine_time_config(spec.speed, system.lb_config)
-        lb_sections.pop("probes", None)  # bench.cluster scales the probe interval itself
         lb_spec = replace(spec, mode="peering" if system.regional else "central", central=central,
                           policy=system.policy, peer_policy=peer_policy_for(system.policy), pushing=system.pushing,
-                          lb=_merge(spec.lb, lb_sections))
+                          lb=merge_sections(spec.lb, system.lb_config))  # bench.cluster scales its durations
         tb: Testbed = start_testbed(fleet, lb_spec)
         return Regional({r: [u] for r, u in tb.client_targets.items()},
                         {r: [s.url for s in ss] for r, ss in tb.replicas.items()}, tb.describe())

@@ -77,7 +77,7 @@ try:
 except ValueError as exc:
     raise SystemExit(f"MAX_TOKENS: {exc}") from None
 # `emu` mode: the emulators run this many times faster than the hardware they model, and so do an
-# open-loop replay and every `lb` time constant (bench.systems.engine_time_config), as the
+# open-loop replay and every `lb` time constant (bench.scenarios._lb.engine_time_config), as the
 # `compare-*` scenarios run them
 EMU_SPEED = _env("EMU_SPEED", float, 1.0)
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3-8B: layers x KV heads x head dim x (K, V) x bf16
@@ -288,9 +288,9 @@ def run_one(system, rnd):
 def engine_time_toml(out: pathlib.Path) -> str:
     """A config file with lb's engine-time constants divided by EMU_SPEED; its path."""
     from bench.cluster import lb_toml
-    from bench.systems import engine_time_config
+    from bench.scenarios._lb import engine_time_config
     if LB_CONFIG:
-        raise SystemExit("EMU_SPEED with LB_CONFIG: put the scaled constants (bench.systems.engine_time_config) "
+        raise SystemExit("EMU_SPEED with LB_CONFIG: put the scaled constants (bench.scenarios._lb.engine_time_config) "
                          "in LB_CONFIG's file and leave EMU_SPEED at 1")
     path = out / "lb-engine-time.toml"
     path.write_text(lb_toml(engine_time_config(EMU_SPEED), [], []))

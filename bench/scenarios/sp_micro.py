@@ -35,9 +35,9 @@ import urllib.request
 from pathlib import Path
 
 from bench.fleet import Fleet
-from lb.core.affinity import AffinityConfig
-from bench.scenarios._lb import start_lb
+from bench.scenarios._lb import engine_time_config, start_lb
 from bench.scenarios.runner import run_variant
+from lb.core.affinity import AffinityConfig
 
 DESCRIPTION = "selective pushing: blind vs sp-outstanding vs sp-pending through lb, 4 emulators, ToT, 30 clients"
 REPLICAS = 4
@@ -63,12 +63,6 @@ def settings(quick: bool, regime: str = "long") -> tuple[dict, dict]:
                 {"clients": CLIENTS, "duration": 25.0, "params": params})
     return ({"profile": "l4-llama3-8b", "speed": 4.0},
             {"clients": CLIENTS, "duration": 80.0, "params": params})
-
-
-def scaled_affinity(speed: float) -> dict:
-    d = AffinityConfig()
-    return {"hold_s": d.hold_s / speed, "hold_per_token_s": d.hold_per_token_s / speed,
-            "max_bypass_s": d.max_bypass_s / speed}
 
 
 class ReplicaSampler:
@@ -144,10 +138,9 @@ def run(out_dir: Path, quick: bool, regime: str = "long") -> dict:
         with Fleet(out_dir / "logs" / mode) as fleet:
             emus = fleet.emulators(REPLICAS, **emulator)
             lb = start_lb(fleet, [e.url for e in emus], pushing=mode, policy="prefix-trie",
-                          config={"pushing": {"max_outstanding": SP_O_MAX_OUTSTANDING},
-                                  # the emulators run `speed`× faster: so do the LB's engine-time knobs
-                                  "probes": {"interval_s": 0.1 / emulator["speed"]},
-                                  "affinity": scaled_affinity(emulator["speed"])})
+                          # the emulators run `speed`× faster: so do the LB's engine-time knobs
+                          config=engine_time_config(emulator["speed"],
+                                                    {"pushing": {"max_outstanding": SP_O_MAX_OUTSTANDING}}))
             with ReplicaSampler([e.url for e in emus]) as sampler:
                 variants[mode] = run_variant(fleet, [lb.url], "tot", label=mode, warnings=warnings, **client)
             variants[mode]["replicas"] = sampler.summary()

@@ -6,7 +6,7 @@ completed / time until the last one finished (issuing stops at the duration, req
 flight then still finish and count), TTFT p50/p90 over the completed requests. `live`
 runs the same workload, seed, clients and fleet over real emulator processes with `lb` in
 front. With emulators at `speed`x, every lb time constant is divided by `speed`
-(bench/systems.engine_time_config) and live figures are converted back to engine time
+(bench.scenarios._lb.engine_time_config) and live figures are converted back to engine time
 (throughput / speed, TTFT x speed) before comparing.
 
 tests/bench/test_sim_agreement.py asserts the two agree; `python -m bench.sim.agreement

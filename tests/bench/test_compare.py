@@ -235,3 +235,21 @@ def test_run_options_refuse_what_a_scenario_cannot_take(tmp_path):
     bad.write_text("[pushing]\nlease_s = -1\n")
     with pytest.raises(SystemExit, match="--lb-config .*bad.toml: .*pushing.lease_s: must be a finite number of seconds >= 0"):
         with_run_options(tiny([lb()]), 1, lb_config=str(bad))
+
+
+def test_the_regional_testbed_scales_every_engine_time_duration_and_keeps_the_pushing_mode(tmp_path):
+    """`bench.cluster` writes each LB's file: the probe, the affinity bounds, the KV lease and a
+    section the spec adds all divided by the speed-up, the pushing mode kept beside them (a
+    `[pushing]` section from the spec used to replace it)."""
+    from bench.cluster import ClusterSpec, RegionSpec, start_testbed
+    from bench.fleet import Fleet
+    from lb.daemon.config import load
+
+    spec = ClusterSpec(regions=[RegionSpec("us", 1, 0), RegionSpec("eu", 1, 0)], mode="peering",
+                       latency_ms={"us-eu": 0}, profile="tiny", speed=10.0, pushing="blind",
+                       lb={"pushing": {"lease_s": 2.0}, "affinity": {"hold_s": 3.0}})
+    with Fleet(tmp_path) as fleet:
+        start_testbed(fleet, spec)
+        cfg = load(tmp_path / "lb-us.toml")
+    assert cfg.pushing.mode == "blind" and cfg.pushing.lease_s == pytest.approx(0.2)
+    assert cfg.affinity.hold_s == pytest.approx(0.3) and cfg.probes.interval_s == pytest.approx(0.01)
