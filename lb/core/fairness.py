@@ -12,11 +12,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-from .continuations import recognized_continuation
+from .continuations import IMPLICIT, recognized_continuation
 from .ewma import EwmaTable
 from .types import RequestFacts
 
 THROTTLE_MODES = ("none", "oit", "rpm")
+# Interactions the ledger keeps at most (their ids come from clients; see InteractionLedger).
+MAX_INTERACTIONS = 65_536
 
 
 class HitResult(NamedTuple):
@@ -213,10 +215,18 @@ class InteractionLedger:
     completes or it has been idle for `ttl_s`; a stage > 0 also marks it (another LB may have
     served the earlier stages). Throttling an in-progress interaction aborts it and wastes
     the tokens its earlier calls consumed — OIT never does that, the RPM baseline does.
+
+    A call that names no interaction is known by its prompt (`lb.core.continuations`): the
+    interaction the scheduler recognized it to continue, or start. Its tokens count from its
+    first call (each answered undeclared call is kept, as the start of an interaction that a
+    later call may continue); it is in progress once a call was recognized to continue it.
+    At most `max_kept` interactions are kept (the least recently touched forgotten first):
+    ids come from clients, and every undeclared call starts one.
     """
 
-    def __init__(self, ttl_s: float = 1800.0):
+    def __init__(self, ttl_s: float = 1800.0, max_kept: int = MAX_INTERACTIONS):
         self.ttl_s = ttl_s
+        self.max_kept = max_kept
         self._spent: OrderedDict[str, tuple[float, int]] = OrderedDict()  # id → (last touch, tokens)
         self.tokens_wasted = 0
         self.interactions_aborted = 0
@@ -228,22 +238,24 @@ class InteractionLedger:
         return facts.interaction_id in self._spent or (facts.interaction_stage or 0) > 0
 
     def dispatched(self, facts: RequestFacts, now: float) -> None:
-        if facts.interaction_id is not None:
-            self._touch(facts.interaction_id, now, 0)
+        key = _interaction_key(facts)
+        if key is not None and (facts.interaction_id is not None or recognized_continuation(facts)):
+            self._touch(key, now, 0)
 
     def completed(self, facts: RequestFacts, now: float, tokens: int) -> None:
-        if facts.interaction_id is None:
+        key = _interaction_key(facts)
+        if key is None:
             return
-        if facts.final_call:
-            self._spent.pop(facts.interaction_id, None)
+        if facts.final_call and facts.interaction_id is not None:
+            self._spent.pop(key, None)
         else:
-            self._touch(facts.interaction_id, now, tokens)
+            self._touch(key, now, tokens)
 
     def throttled(self, facts: RequestFacts, now: float) -> int:
         """Record a throttle; returns the tokens it wasted (0 unless mid-interaction)."""
         if not self.in_progress(facts, now):
             return 0
-        _, spent = self._spent.pop(facts.interaction_id, (now, 0))
+        _, spent = self._spent.pop(_interaction_key(facts), (now, 0))
         self.tokens_wasted += spent
         self.interactions_aborted += 1
         return spent
@@ -251,6 +263,8 @@ class InteractionLedger:
     def _touch(self, iid: str, now: float, tokens: int) -> None:
         _, spent = self._spent.pop(iid, (now, 0))
         self._spent[iid] = (now, spent + tokens)  # re-insert: the dict stays in touch order
+        while len(self._spent) > self.max_kept:
+            self._spent.popitem(last=False)
         self._expire(now)
 
     def _expire(self, now: float) -> None:
@@ -259,6 +273,12 @@ class InteractionLedger:
             if now - touched <= self.ttl_s:
                 break
             del self._spent[iid]
+
+
+def _interaction_key(facts: RequestFacts) -> str | None:
+    """The interaction the call names, else the one its prompt was recognized to continue or
+    start (None when nothing recognized it: no prefix memory)."""
+    return facts.interaction_id if facts.interaction_id is not None else facts.extra.get(IMPLICIT)
 
 
 # ---------------------------------------------------------------- WSC / VTC

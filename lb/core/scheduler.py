@@ -239,13 +239,18 @@ class Scheduler:
             return Placement(entry, Kind.REJECT, reason=SHUTTING_DOWN)
         if self.cfg.max_queue is not None and len(self.queue) >= self.cfg.max_queue:
             return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
-        chain = self._undeclared_chain(entry.facts)
-        if chain is not None:  # before the queue: a continuation keeps its interaction's rank there
-            self.leases.continuations.recognize(entry.facts, chain, now)
+        self.recognize(entry.facts, now)  # before the queue: a continuation keeps its interaction's rank there
         self.queue.push(entry)
         self._count(entry, 1)
         self.leases.arrived(entry.facts)
         return None
+
+    def recognize(self, facts: RequestFacts, now: float) -> None:
+        """Know which interaction an undeclared call continues, by its prompt (once per call;
+        the daemon asks before its throttle, so OIT does not cut a recognized interaction)."""
+        chain = self._undeclared_chain(facts)
+        if chain is not None:
+            self.leases.continuations.recognize(facts, chain, now)
 
     def _undeclared_chain(self, facts: RequestFacts) -> list[int] | None:
         """The prefix chain by which an undeclared call's interaction is known (None when the

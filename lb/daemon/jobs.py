@@ -186,6 +186,7 @@ class Jobs:
             if facts.model and not proxy.registry.knows_model(facts.model):
                 raise LBError(404, f"The model `{facts.model}` does not exist; GET /v1/models lists the served ones",
                               code="model_not_found", param="model")
+            proxy.dispatcher.scheduler.recognize(facts, time.monotonic())  # as the proxy: OIT sees continuations
             await fairness.check_throttle(facts, time.monotonic(), len(proxy.dispatcher.queue),
                                           any(proxy.dispatcher.available(r.view) for r in proxy.registry.active()))
             return await self.accept(request, url, body, facts, custom_id)

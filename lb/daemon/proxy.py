@@ -302,6 +302,7 @@ class Proxy:
                                        for r in self.registry.active()):
             raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
         if route.dispatch != DIRECT:  # a tokenize call spends no engine time: not a request RPM/OIT counts
+            self.dispatcher.scheduler.recognize(facts, t0)  # OIT never cuts an interaction its prompt continues
             await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
                                           any(self.dispatcher.available(r.view) for r in self.registry.active()))
         if self.jobs.durable(request):  # 202 and a job id: served later, survives a restart

@@ -7,6 +7,11 @@ import pytest
 
 from lb.core.fairness import (FairnessConfig, HitResult, InteractionLedger, OverloadDetector, RateLimit,
                               rate_limits, throttle_decision)
+from lb.core.continuations import IMPLICIT
+from lb.core.policies import make_policy
+from lb.core.prefix import request_chain
+from lb.core.queueing import make_queue
+from lb.core.scheduler import Scheduler, SchedulerConfig
 from lb.core.types import RequestFacts
 
 
@@ -95,32 +100,69 @@ def test_ledger_tracks_interactions_and_counts_wasted_tokens():
     assert not led.in_progress(facts("e1", ix="i3"), 200.0)
 
 
-def run_agentic_load(mode: str) -> tuple[InteractionLedger, int]:
+def run_agentic_load(mode: str, declared: bool = True) -> tuple[InteractionLedger, int, int]:
     """Users run 3-call interactions faster than a 4-per-minute user limit allows, while the
-    region is overloaded: RPM aborts interactions mid-way, OIT only refuses first calls."""
+    region is overloaded: RPM aborts interactions mid-way, OIT only refuses first calls.
+    Undeclared (`declared=False`, as the openai SDK sends them: no interaction header), each
+    call's prompt is the last one's with its answer and more, and the scheduler recognizes
+    the interaction before the throttle, as the daemon asks it to. Returns the ledger, the
+    throttles, and how many of them cut an interaction after its first call (the truth the
+    ledger's own counts are checked against)."""
     cfg = FairnessConfig(throttle=mode, user_rpm=4, window_s=60.0)
     led, window = InteractionLedger(), Window()
-    now, throttles = 0.0, 0
+    scheduler = Scheduler(SchedulerConfig(), make_policy("predicted-ttft"), make_queue("fcfs"))
+    now, throttles, cut = 0.0, 0, 0
     for n in range(12):
+        prompt = f"You are a planner. Task {n}: plan the trip to city {n}. " * 8
         for stage in range(3):
             now += 1.0
-            f = facts(f"r{n}.{stage}", user="u", app=None, ix=f"ix{n}", stage=stage, final=stage == 2)
+            if declared:
+                f = facts(f"r{n}.{stage}", user="u", app=None, ix=f"ix{n}", stage=stage, final=stage == 2)
+            else:
+                prompt += f" answer {stage}: " + "go by train, then walk " * 8
+                f = RequestFacts(request_id=f"r{n}.{stage}", model="m", user="u", prompt=prompt, prompt_tokens=200)
+                scheduler.recognize(f, now)
             hits = [(r, window.hit(r, now)) for r in rate_limits(f, cfg)]
             mid = led.in_progress(f, now)
             if throttle_decision(cfg, hits, overloaded=True, mid_interaction=mid) is not None:
                 led.throttled(f, now)
                 throttles += 1
+                cut += stage > 0
                 break  # the agent gives up on this interaction
             led.dispatched(f, now)
             led.completed(f, now + 0.5, tokens=100)
-    return led, throttles
+            if not declared:  # its answer: the next call extending this prompt continues it
+                scheduler.leases.answered(f, "a", 200, 100, now + 0.5, request_chain(f))
+    return led, throttles, cut
 
 
-def test_oit_wastes_no_tokens_where_rpm_aborts_interactions():
-    (rpm, _), (oit, oit_throttles) = run_agentic_load("rpm"), run_agentic_load("oit")
-    assert oit_throttles > 0  # OIT does throttle: only whole new interactions
-    assert rpm.interactions_aborted > 0 and rpm.tokens_wasted >= 100 * rpm.interactions_aborted
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "known-by-prompt"])
+def test_oit_wastes_no_tokens_where_rpm_aborts_interactions(declared):
+    (rpm, _, rpm_cut), (oit, oit_throttles, oit_cut) = (run_agentic_load("rpm", declared),
+                                                        run_agentic_load("oit", declared))
+    assert oit_throttles > 0 and oit_cut == 0  # OIT does throttle: only whole new interactions
+    assert rpm_cut > 0 and rpm.interactions_aborted == rpm_cut  # the ledger knows what RPM cut
+    assert rpm.tokens_wasted >= 100 * rpm.interactions_aborted
     assert oit.tokens_wasted == 0 and oit.interactions_aborted == 0
+
+
+def test_an_undeclared_call_the_scheduler_did_not_recognize_is_no_interaction_under_way():
+    """Without the scheduler's recognition (as before the daemon asked for it ahead of its
+    throttle) an undeclared next step looks like a new interaction: OIT would cut it."""
+    led = InteractionLedger()
+    step = RequestFacts(request_id="s1", model="m", user="u", prompt="plan " * 100, prompt_tokens=100)
+    assert not led.in_progress(step, 0.0)
+    step.extra[IMPLICIT] = "s0"  # recognized: it continues s0's interaction
+    assert led.in_progress(step, 0.0)
+
+
+def test_the_ledger_keeps_a_bounded_number_of_interactions():
+    """Interaction ids come from clients and every undeclared call starts one: the oldest go."""
+    led = InteractionLedger(ttl_s=1e9, max_kept=100)
+    for i in range(250):
+        led.completed(facts(f"c{i}", ix=f"i{i}"), float(i), tokens=10)
+    assert len(led._spent) == 100
+    assert led.in_progress(facts("n", ix="i249"), 300.0) and not led.in_progress(facts("n", ix="i0"), 300.0)
 
 
 def test_config_from_dict():

@@ -1,6 +1,8 @@
 """Fairness wiring over loopback: a real lb in front of a real emulator."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.daemon.conftest import http_json, needs_emulator, start_emulator, start_lb
@@ -13,8 +15,8 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 def lb_with(tmp_path):
     started = []
 
-    def start(toml: str):
-        emu, url = start_emulator("--speed", "50")
+    def start(toml: str, *emu_args: str):
+        emu, url = start_emulator(*(emu_args or ("--speed", "50")))
         started.append(emu)
         cfg = tmp_path / "lb.toml"
         cfg.write_text(f'[[replicas]]\nurl = "{url}"\nengine = "sglang"\nmodels = ["m"]\n\n{toml}')
@@ -61,3 +63,46 @@ def test_oit_does_not_throttle_when_the_region_is_not_overloaded(lb_with):
     lb = lb_with('[fairness]\nthrottle = "oit"\nuser_rpm = 1\noverload_queue_len = 1000\n'
                  '[queue]\norder = "wsc"\n')
     assert [chat(lb, {"x-lb-user": "alice"})[0] for _ in range(4)] == [200] * 4
+
+
+@pytest.mark.timeout(90)
+def test_oit_never_cuts_an_interaction_its_client_did_not_declare(lb_with):
+    """The `openai` SDK sends no `x-lb-*` header; an agent's next step is known by its prompt
+    (it extends the last step's prompt and answer). While the region is overloaded and the
+    agent is over its limit, OIT refuses it a new question (429) and still serves the step
+    that continues its interaction."""
+    import threading
+
+    import openai
+
+    from tests.procs import metric
+
+    lb = lb_with('[fairness]\nthrottle = "oit"\nuser_rpm = 2\noverload_queue_len = 1\n'
+                  'user_rpm_overrides = { bob = 100 }\n[queue]\norder = "wsc"\n', "--speed", "1", "--max-running", "1")
+    client = openai.OpenAI(base_url=lb.url + "/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": "You are a travel agent with a booking tool. " * 20}
+    messages = [system, {"role": "user", "content": "Book a train from Lyon to Turin next Friday. " * 6}]
+    for step in range(2):  # two steps, within the limit; the region is idle
+        answer = client.chat.completions.create(model="m", user="alice", max_tokens=8, messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": f"Tool result {step}: " + "seat 42, coach 7, 89 EUR. " * 10}]
+
+    def flood() -> None:  # another tenant's long answers fill the one engine slot and the LB queue
+        client.chat.completions.create(model="m", user="bob", max_tokens=250, extra_body={"ignore_eos": True},
+                                       messages=[{"role": "user", "content": "Write a long story. " * 8}])
+
+    flooders = [threading.Thread(target=flood) for _ in range(6)]
+    for t in flooders:
+        t.start()
+    deadline = time.monotonic() + 20
+    while metric(lb.url, "lb_queue_length") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(lb.url, "lb_queue_length") >= 3  # overloaded: more queued than overload_queue_len
+
+    with pytest.raises(openai.RateLimitError):  # a new question, over the limit: OIT refuses it
+        client.chat.completions.create(model="m", user="alice", max_tokens=8, messages=[
+            system, {"role": "user", "content": "Unrelated: what is the capital of Peru? " * 6}])
+    answer = client.chat.completions.create(model="m", user="alice", max_tokens=8, messages=messages)
+    assert answer.choices[0].message.content  # the agent's third step: served, not cut
+    for t in flooders:
+        t.join(timeout=30)
