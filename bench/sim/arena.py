@@ -24,9 +24,10 @@ from bench.sim.core import EventLoop
 from bench.sim.metrics import Metrics, Slo
 from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from bench.sim.peer_policies import PeerPolicy, PeerRequest
-from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain
+from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain, token_prefix_hash
 from bench.stats import RequestRecord
 from bench.workloads.base import EXACT, check_max_tokens, declared_max_tokens
+from lb.core.prefix import PREFIX_HASHER
 from lb.core.types import RequestFacts, Tier
 
 
@@ -300,12 +301,18 @@ class Arena:
             front.arrive(req, call)
             return
         req.region = front.region
+        self.hash_prompt(req.facts, call.tokens)
+        front.arrive(req)
+
+    def hash_prompt(self, facts: RequestFacts, tokens: list[int]) -> None:
+        """Give `facts` the prefix chain of `tokens`, as `lb.core.prefix.request_chain` hashes
+        a prompt's text (nothing when `lb`'s policy keeps no prefix memory)."""
         if self.chain_params is not None:
             block_chars, isolate = self.chain_params
-            salt = (call.user or "") if isolate else None
-            req.facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
-                call.tokens, max(1, block_chars // CHARS_PER_TOKEN), salt)
-        front.arrive(req)
+            salt = (facts.user or "") if isolate else None
+            facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
+                tokens, max(1, block_chars // CHARS_PER_TOKEN), salt)
+            facts.extra[PREFIX_HASHER] = (8 * len(tokens), lambda n: token_prefix_hash(tokens, n))
 
     def _completed(self, req: SimRequest, prompt: int, cached: int, output: int) -> None:
         call, sent, on_done = self.callbacks.pop(req.id)

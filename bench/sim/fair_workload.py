@@ -64,6 +64,9 @@ SYSTEMS = {
     "lb wsc+oit": ("wsc", "oit", None),
 }
 REFERENCE = "lb fcfs"
+# Without headers, a stage's prompt adds the last answer and this many tokens (one trie block
+# and more: a continuation must extend the earlier prompt by a whole block to be known).
+NEXT_CALL_TOKENS = 40
 
 
 def starts(seed: int, abuser: bool, duration_s: float) -> list[tuple]:
@@ -125,6 +128,7 @@ class Throttle:
             return False
         now = self.arena.loop.now
         lb = self.arena.fronts["local"]
+        lb.scheduler.recognize(facts, now)  # as the daemon: an undeclared call is known by its prompt first
         self.overload.observe(now, len(lb.scheduler), any(lb.scheduler.available(r.view) for r in lb.replicas.values()))
         hits = [(rule, self._hit(rule.key, now, rule.window_s, rule.limit)) for rule in rate_limits(facts, self.cfg)]
         decision = throttle_decision(self.cfg, hits, overloaded=self.overload.overloaded(now),
@@ -136,11 +140,15 @@ class Throttle:
         return True
 
 
-def run_one(args: tuple[str, int, bool, float]) -> dict:
-    """One system, one seed, with or without the abuser: per-request records, aggregated."""
-    system, seed, abuser, duration_s = args
+def run_one(args: tuple) -> dict:
+    """One system, one seed, with or without the abuser: per-request records, aggregated.
+    `headers` False: clients send none of lb's headers (no interaction, stage, last call or
+    app; the OpenAI `user` stays), and each stage's prompt carries the last stage's prompt and
+    answer and a new block, as an application's next call does, which is how `lb` knows it."""
+    system, seed, abuser, duration_s, *rest = args
+    headers = rest[0] if rest else True
     order, throttle, wsc = SYSTEMS[system]
-    arena = Arena(FLEET, system, seed=seed, lb_cfg=lb_config(queue=order, wsc=wsc))
+    arena = Arena(FLEET, system, seed=seed, lb_cfg=lb_config(queue=order, wsc=wsc), headers=headers)
     arrivals = starts(seed, abuser, duration_s)
     gate = Throttle(arena, throttle, rpm_limit([x for x in arrivals if x[2] != "abuser"], duration_s))
     ttft: dict[str, list[float]] = {}
@@ -149,11 +157,17 @@ def run_one(args: tuple[str, int, bool, float]) -> dict:
 
     def stage(spec: tuple, k: int, tokens: list[int], spent: int) -> None:
         _, iid, user, _, out = spec
-        call = Call(f"{iid}-s{k}", "local", tokens + [k + 1], out, user=user, interaction_id=iid, stage=k,
+        prompt = tokens + [k + 1] if headers else tokens
+        call = Call(f"{iid}-s{k}", "local", prompt, out, user=user, interaction_id=iid, stage=k,
                     final=k == STAGES - 1)
-        facts = RequestFacts(request_id=call.request_id, model=arena.model, prompt_tokens=len(call.tokens),
-                             max_tokens=out, arrival=arena.loop.now, user=user, app=user, interaction_id=iid,
-                             interaction_stage=k, final_call=call.final)
+        if headers:
+            facts = RequestFacts(request_id=call.request_id, model=arena.model, prompt_tokens=len(call.tokens),
+                                 max_tokens=out, arrival=arena.loop.now, user=user, app=user, interaction_id=iid,
+                                 interaction_stage=k, final_call=call.final)
+        else:
+            facts = RequestFacts(request_id=call.request_id, model=arena.model, prompt_tokens=len(call.tokens),
+                                 max_tokens=out, arrival=arena.loop.now, user=user)
+            arena.hash_prompt(facts, call.tokens)
         if gate.throttled(facts):
             counts["aborted" if k else "refused"] += 1
             counts["wasted"] += spent if k else 0
@@ -168,7 +182,11 @@ def run_one(args: tuple[str, int, bool, float]) -> dict:
             if d.sent_at >= WARMUP_S:
                 ttft.setdefault(user, []).append(d.ttft)
             if k + 1 < STAGES and arena.loop.now < duration_s:
-                stage(spec, k + 1, tokens, spent + used)
+                if headers:
+                    stage(spec, k + 1, tokens, spent + used)
+                else:  # the next call: this prompt, its answer and a new block (distinct tokens)
+                    fresh = tokens[0] + ((k + 1) << 16)
+                    stage(spec, k + 1, tokens + list(range(fresh, fresh + out + NEXT_CALL_TOKENS)), spent + used)
         arena.send(call, done)
 
     for i, spec in enumerate(arrivals):
@@ -261,6 +279,8 @@ def run_all(name: str, args: argparse.Namespace, jobs: list, one, summarize_runs
 
 def run(args: argparse.Namespace) -> int:
     seeds, duration = seeds_and_length(args)
-    jobs = [(system, seed, abuser, duration) for seed in range(seeds) for system in SYSTEMS for abuser in (True, False)]
+    headers = not getattr(args, "no_session_headers", False)
+    jobs = [(system, seed, abuser, duration, headers) for seed in range(seeds) for system in SYSTEMS
+            for abuser in (True, False)]
     return run_all("fairness", args, jobs, run_one, summarize, table,
                    f"{seeds} seeds, {duration:g} s each (median [95 % CI])")

@@ -65,6 +65,12 @@ def token_chain(tokens: list[int], block_tokens: int, salt: str | None = None) -
     return tuple(chain)
 
 
+def token_prefix_hash(tokens: list[int], n: int) -> bytes:
+    """`lb.core.prefix.prompt_prefix_hash` over token ids: the first `n` bytes of the 8 bytes a
+    token that `token_chain` hashes."""
+    return mmh3.hash_bytes(b"lb-prefix:" + array("q", tokens[: (n + 7) // 8]).tobytes()[:n])
+
+
 @dataclass
 class ModelSpec:
     name: str

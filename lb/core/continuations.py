@@ -7,7 +7,9 @@ came after, so its prefix chain (`lb.core.prefix`) holds the earlier prompt's la
 `recognize` gives such a call the earlier call's interaction, and a call that continues none its
 own. The same prompt sent again (it extends the earlier one by no whole block) is a new
 question, not a next step; a block where two interactions' prompts ended (a shared system
-prompt and questions shorter than a block) recognizes neither. Two things use what is
+prompt and questions shorter than a block) recognizes neither. A prompt shorter than one block
+(a chat's "hi") has no chain: it is known by a hash of the whole prompt, kept per user, and a
+call of a block or more that starts with it continues it. Two things use what is
 recognized: the KV leases (`lb.core.leases`) and the fair queue, which keeps a recognized
 interaction's rank as a declared one's (`interaction_of`, `lb.core.queueing.WSCQueue`);
 without it agents without headers at 1.3x capacity finished 0.144 sessions a second against
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from lb.core.prefix import prompt_prefix_hash, prompt_size
 from lb.core.types import RequestFacts
 
 # facts.extra: the interaction an undeclared call continues (or starts), as recognized
@@ -50,6 +53,9 @@ GAPS_KEPT = 32
 MIN_GAPS = 4
 # A lease waits this many times the longest recent gap (the gaps vary: a tool runs 1 s, then 4 s).
 GAP_MARGIN = 1.5
+# Answered prompts shorter than one block kept per user (a chat's first turn, "hi"): a call is
+# checked against each, one hash apiece, only when no block of its chain was a prompt's end.
+SHORT_KEPT = 8
 
 
 def declares(facts: RequestFacts) -> bool:
@@ -80,31 +86,61 @@ class Continuations:
         # user → [answered, continued (both decayed), the last gaps to a continuation]
         self._users: OrderedDict[str, list] = OrderedDict()
         self._all = [0.0, 0.0]  # every user's together
+        # user → (size, key in _ends) of their latest answered prompts shorter than a block
+        self._short: OrderedDict[str, deque] = OrderedDict()
 
     def recognize(self, facts: RequestFacts, chain: list[int], now: float) -> None:
         """An undeclared call arrived: it joins the interaction of the latest answered prompt it
         extends by a whole block at least (`chain`: its prefix chain), else starts its own."""
         if declares(facts) or IMPLICIT in facts.extra:
             return
-        key, ends = None, self._ends
+        key, ends, end = None, self._ends, None
         if ends:
             for i in range(len(chain) - 2, -1, -1):  # a continuation's match sits near its end
                 end = ends.get(chain[i])
                 if end is not None:
-                    key = end[0]
-                    if key is not None and not end[2]:
-                        end[2] = True
-                        self._continued(end[1], now - end[3])
                     break
+            if end is None and chain:  # or it extends a prompt shorter than a block by one or more
+                end = self._short_end(facts)
+            if end is not None:
+                key = end[0]
+                if key is not None and not end[2]:
+                    end[2] = True
+                    self._continued(end[1], now - end[3])
         facts.extra[IMPLICIT] = key or facts.request_id
+
+    def _short_end(self, facts: RequestFacts) -> list | None:
+        """The answered prompt shorter than a block (of this user's last `SHORT_KEPT`) that this
+        call's prompt starts with, if any."""
+        short = self._short.get(facts.user or "")
+        if not short:
+            return None
+        size = prompt_size(facts)
+        for n, key in reversed(short):
+            end = self._ends.get(key)
+            if end is not None and n < size and prompt_prefix_hash(facts, n) == key:
+                return end
+        return None
 
     def answered(self, facts: RequestFacts, chain: list[int] | None, now: float) -> None:
         """An undeclared call was answered: a later call extending its prompt continues it."""
         key = facts.extra.get(IMPLICIT)
-        if declares(facts) or key is None or not chain:
+        if declares(facts) or key is None or chain is None:
             return
         user = facts.user or ""
-        ends, last = self._ends, chain[-1]
+        if chain:
+            last = chain[-1]
+        else:  # shorter than a block: known by a hash of the whole prompt, kept per user
+            size = prompt_size(facts)
+            if not size:
+                return
+            last = prompt_prefix_hash(facts, size)
+            short = self._short.pop(user, None) or deque(maxlen=SHORT_KEPT)
+            short.append((size, last))
+            self._short[user] = short
+            while len(self._short) > MAX_USERS:
+                self._short.popitem(last=False)
+        ends = self._ends
         known = ends.pop(last, None)
         ends[last] = [key if known is None or known[0] == key else None, user, False, now]
         while len(ends) > MAX_PROMPT_ENDS:

@@ -80,6 +80,26 @@ def prompt_bytes(req: RequestFacts) -> int:
     return size
 
 
+# facts.extra: (the prompt's size, a function hashing its first n bytes) where the prompt is not
+# text (the simulator's token prompts); `prompt_prefix_hash` and `prompt_size` read it first.
+PREFIX_HASHER = "lb.prefix.hasher"
+
+
+def prompt_size(req: RequestFacts) -> int:
+    """The prompt's size in the units `prompt_prefix_hash` cuts (UTF-8 bytes)."""
+    hasher = req.extra.get(PREFIX_HASHER)
+    return hasher[0] if hasher is not None else prompt_bytes(req)
+
+
+def prompt_prefix_hash(req: RequestFacts, n: int) -> bytes:
+    """A hash naming the prompt's first `n` bytes, whatever the blocks: a prompt shorter than a
+    block has no chain, yet a longer one may start with it (a chat's first turn, its next)."""
+    hasher = req.extra.get(PREFIX_HASHER)
+    if hasher is not None:
+        return hasher[1](n)
+    return mmh3.hash_bytes(b"lb-prefix:" + req.prompt[:n].encode("utf-8", "surrogatepass")[:n])
+
+
 def uncached_tokens(prompt_tokens: float, depth: int, blocks: int) -> float:
     """The prompt tokens a target holding `depth` of the prompt's `blocks` chain blocks still
     computes (all of them when the prompt has no whole block)."""

@@ -26,6 +26,16 @@ def test_orders_isolate_benign_tenants_and_oit_wastes_nothing_while_rpm_aborts()
     assert r["lb wsc+oit"]["service_share"]["abuser"] < r["lb wsc"]["service_share"]["abuser"]
 
 
+def test_without_headers_oit_still_wastes_nothing_and_rpm_still_aborts():
+    """Clients send no interaction header (the OpenAI `user` stays): each stage's prompt
+    carries the last one and its answer, and the daemon's scheduler recognizes it before the
+    throttle, short first prompts (a third are under one block) included."""
+    r = {name: run_one((name, 0, True, DURATION, False)) for name in ("lb rpm", "lb wsc+oit")}
+    assert r["lb rpm"]["interactions_aborted"] > 0 and r["lb rpm"]["tokens_wasted"] > 0
+    assert r["lb wsc+oit"]["interactions_aborted"] == 0 and r["lb wsc+oit"]["tokens_wasted"] == 0
+    assert r["lb wsc+oit"]["interactions_refused"] > 0
+
+
 def test_the_abuser_is_the_only_difference_between_the_two_runs_of_a_seed():
     alone, abused = starts(1, False, DURATION), starts(1, True, DURATION)
     assert [x for x in abused if x[2] != "abuser"] == alone

@@ -297,3 +297,32 @@ def test_a_user_whose_calls_are_continued_at_once_holds_an_uncontinued_lease_onl
     assert slow.continuations.lease_s("bot", 5.0) == pytest.approx(GAP_MARGIN * 1.0)
     assert slow.leased("a", NOW + 8) > 0 and slow.leased("a", NOW + 8.6) == 0
     assert slow.continuations.lease_s("bot", 1.0) == 1.0
+
+
+def test_a_prompt_shorter_than_a_block_is_known_when_a_longer_one_starts_with_it():
+    """A chat's first turn ("hi") has no whole block: it is kept by a hash of the whole prompt,
+    and the next turn (the first, its answer, a new question: a block or more) continues it.
+    The same short prompt again is a new question; two chats of one user both opening with it
+    leave the next turn unknown (it could continue either)."""
+    from lb.core.continuations import IMPLICIT
+    from lb.core.prefix import request_chain
+
+    def arrive(c: KvLeases, call: RequestFacts) -> str:
+        c.continuations.recognize(call, request_chain(call), NOW)
+        return call.extra[IMPLICIT]
+
+    leases = KvLeases(ttl_s=5.0)
+    hi = undeclared("t0", "user: hi\n", tokens=4, user="ann")
+    assert request_chain(hi) == () and arrive(leases, hi) == "t0"
+    leases.answered(hi, "a", 4, 20, NOW, request_chain(hi))
+    assert arrive(leases, undeclared("again", "user: hi\n", tokens=4, user="ann")) == "again"
+    turn = "user: hi\nassistant: Hello! How can I help?\nuser: " + "Explain the prefix trie to me. " * 6
+    assert arrive(leases, undeclared("t1", turn, user="ann")) == "t0"
+    assert arrive(leases, undeclared("b1", turn, user="bob")) == "b1"  # another user's: not ann's
+
+    two = KvLeases(ttl_s=5.0)
+    for rid in ("c0", "d0"):
+        call = undeclared(rid, "user: hi\n", tokens=4, user="ann")
+        arrive(two, call)
+        two.answered(call, "a", 4, 20, NOW, request_chain(call))
+    assert arrive(two, undeclared("c1", turn, user="ann")) == "c1"
