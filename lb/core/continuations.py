@@ -39,6 +39,9 @@ from lb.core.types import RequestFacts
 
 # facts.extra: the interaction an undeclared call continues (or starts), as recognized
 IMPLICIT = "lb.continuations.interaction"
+# facts.extra: the key of the answered prompt's end the call was recognized to continue (the
+# other LB instances are told, so every instance learns the user's continued share)
+CONTINUED = "lb.continuations.continued"
 # Answered prompts whose continuations are recognized, at most (the oldest forgotten first).
 MAX_PROMPT_ENDS = 65536
 # Users whose continued share is kept, at most (the least recently answered forgotten first).
@@ -81,7 +84,7 @@ def interaction_of(facts: RequestFacts) -> str | None:
 class Continuations:
     def __init__(self):
         # an answered undeclared call's last whole prompt block → [its interaction (None: two
-        # interactions ended a prompt there), its user, continued yet?, answered at]
+        # interactions ended a prompt there), its user, continued yet?, answered at, the block]
         self._ends: OrderedDict[int, list] = OrderedDict()
         # user → [answered, continued (both decayed), the last gaps to a continuation]
         self._users: OrderedDict[str, list] = OrderedDict()
@@ -107,6 +110,7 @@ class Continuations:
                 if key is not None and not end[2]:
                     end[2] = True
                     self._continued(end[1], now - end[3])
+                    facts.extra[CONTINUED] = end[4]
         facts.extra[IMPLICIT] = key or facts.request_id
 
     def _short_end(self, facts: RequestFacts) -> list | None:
@@ -122,27 +126,49 @@ class Continuations:
                 return end
         return None
 
-    def answered(self, facts: RequestFacts, chain: list[int] | None, now: float) -> None:
-        """An undeclared call was answered: a later call extending its prompt continues it."""
+    def answered(self, facts: RequestFacts, chain: list[int] | None, now: float) -> bytes | None:
+        """An undeclared call was answered: a later call extending its prompt continues it.
+        Returns the key its prompt's end is known by (None when nothing was recorded)."""
         key = facts.extra.get(IMPLICIT)
         if declares(facts) or key is None or chain is None:
-            return
+            return None
         user = facts.user or ""
         if chain:
             last = chain[-1]
         else:  # shorter than a block: known by a hash of the whole prompt, kept per user
             size = prompt_size(facts)
             if not size:
-                return
+                return None
             last = prompt_prefix_hash(facts, size)
-            short = self._short.pop(user, None) or deque(maxlen=SHORT_KEPT)
-            short.append((size, last))
-            self._short[user] = short
-            while len(self._short) > MAX_USERS:
-                self._short.popitem(last=False)
+            self._short_kept(user, size, last)
+        self._record(last, key, user, now)
+        return last
+
+    def heard_answer(self, last: bytes, key: str, user: str, now: float, short_size: int = 0) -> None:
+        """Another LB instance answered an undeclared call whose prompt ends at `last` (a prompt
+        of `short_size` bytes, shorter than a block, when not 0): its next call may come here."""
+        if short_size:
+            self._short_kept(user, short_size, last)
+        self._record(last, key, user, now)
+
+    def heard_continued(self, last: bytes, now: float) -> None:
+        """Another LB instance recognized a call continuing the prompt that ended at `last`."""
+        end = self._ends.get(last)
+        if end is not None and end[0] is not None and not end[2]:
+            end[2] = True
+            self._continued(end[1], now - end[3])
+
+    def _short_kept(self, user: str, size: int, last: bytes) -> None:
+        short = self._short.pop(user, None) or deque(maxlen=SHORT_KEPT)
+        short.append((size, last))
+        self._short[user] = short
+        while len(self._short) > MAX_USERS:
+            self._short.popitem(last=False)
+
+    def _record(self, last: bytes, key: str, user: str, now: float) -> None:
         ends = self._ends
         known = ends.pop(last, None)
-        ends[last] = [key if known is None or known[0] == key else None, user, False, now]
+        ends[last] = [key if known is None or known[0] == key else None, user, False, now, last]
         while len(ends) > MAX_PROMPT_ENDS:
             ends.popitem(last=False)
         counts = self._users.pop(user, None) or [0.0, 0.0, deque(maxlen=GAPS_KEPT)]

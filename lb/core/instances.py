@@ -13,6 +13,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from lb.core.leases import Answered, KvLeases
 from lb.core.prefix import PrefixTrie, uncached_tokens
 from lb.core.types import ReplicaView
 
@@ -87,6 +88,8 @@ def decode_chain(text: str) -> tuple[bytes, ...]:
 
 # -- the messages on the shared channel (lb.daemon.instances publishes and hears them) ----------
 END = "end"
+LEASE = "lease"
+MAX_KEY_CHARS = 256  # an interaction id or user in a message, at most (longer ones are not shared)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ class HeardPush:
     chain: tuple[bytes, ...]  # its prefix chain (may be empty)
     key: str  # its request id ("" from an instance of an earlier release)
     prompt_tokens: int
+    # Its interaction (declared, or recognized by its prompt): the lease of the interaction's
+    # last answer ends, as on arrival here; and the answered prompt end it was recognized to
+    # continue (lb.core.continuations). Empty from an instance of an earlier release.
+    interaction: str = ""
+    continued: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -112,15 +120,34 @@ class HeardEnd:
     answer_tokens: int = 0
 
 
-def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int) -> list:
-    return [sender, replica, at, tokens, chain, key, prompt_tokens]
+@dataclass(frozen=True)
+class HeardLease:
+    """Another instance's answered call: its lease on the replica (lb.core.leases.Answered)."""
+
+    sender: str
+    replica: str
+    answered: Answered
+
+
+def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int,
+                 interaction: str = "", continued: bytes = b"") -> list:
+    if len(interaction) > MAX_KEY_CHARS:
+        interaction = ""
+    return [sender, replica, at, tokens, chain, key, prompt_tokens, interaction, continued.hex()]
+
+
+def lease_message(sender: str, replica: str, a: Answered) -> list | None:
+    """None when there is nothing to share (an id too long to send)."""
+    if len(a.key) > MAX_KEY_CHARS or len(a.user) > MAX_KEY_CHARS:
+        return None
+    return [LEASE, sender, replica, a.key, a.tokens, a.ttl_s, a.end.hex(), a.short_size, a.user]
 
 
 def end_message(sender: str, replica: str, key: str, prompt_end: bytes = b"", answer_tokens: int = 0) -> list:
     return [END, sender, replica, key, prompt_end.hex(), answer_tokens]
 
 
-def parse_message(doc: object) -> HeardPush | HeardEnd | None:
+def parse_message(doc: object) -> HeardPush | HeardEnd | HeardLease | None:
     """What another instance published, or None for anything that is not a well-formed message
     (a peer of an earlier release sends a push's first five fields only)."""
     try:
@@ -135,12 +162,22 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | None:
             if len(end) not in (0, HASH_BYTES) or tokens < 0:
                 return None
             return HeardEnd(str(sender), str(replica), str(key), end, tokens)
+        if doc and doc[0] == LEASE:
+            _, sender, replica, key, tokens, ttl_s, end, short, user = doc[:9]
+            tokens, ttl_s, end, short = int(tokens), float(ttl_s), bytes.fromhex(end), int(short)
+            if (tokens < 0 or not (math.isfinite(ttl_s) and ttl_s >= 0) or len(end) not in (0, HASH_BYTES)
+                    or short < 0 or not isinstance(key, str) or not isinstance(user, str)
+                    or len(key) > MAX_KEY_CHARS or len(user) > MAX_KEY_CHARS):
+                return None
+            return HeardLease(str(sender), str(replica), Answered(key, tokens, ttl_s, end, short, user))
         sender, replica, at, tokens, chain = doc[:5]
         key, prompt = (str(doc[5]), int(doc[6])) if len(doc) >= 7 else ("", 0)
+        interaction, continued = (str(doc[7]), bytes.fromhex(doc[8])) if len(doc) >= 9 else ("", b"")
         at, tokens = float(at), int(tokens)
-        if not (math.isfinite(at) and tokens >= 0 and prompt >= 0):
+        if not (math.isfinite(at) and tokens >= 0 and prompt >= 0) or len(continued) not in (0, HASH_BYTES):
             return None
-        return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt)
+        return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt,
+                         interaction[:MAX_KEY_CHARS], continued)
     except (ValueError, TypeError, OverflowError):
         return None
 
@@ -150,6 +187,24 @@ def heard_answer(trie: PrefixTrie, end: HeardEnd) -> None:
     did, so that the conversation's next turn finds its history here too."""
     if end.prompt_end and end.answer_tokens > 0:
         trie.answered(end.replica, end.prompt_end, end.answer_tokens)
+
+
+def heard_lease(leases: KvLeases, heard: HeardLease, now: float) -> None:
+    """The other instance's answered call: its lease holds here too, and a next call arriving
+    here that extends its prompt continues its interaction, as if this instance had answered."""
+    a = heard.answered
+    leases.heard(heard.replica, a.key, a.tokens, a.ttl_s, now)
+    if a.end:
+        leases.continuations.heard_answer(a.end, a.key, a.user, now, a.short_size)
+
+
+def heard_interaction(leases: KvLeases, push: HeardPush, now: float) -> None:
+    """The other instance placed a call of an interaction: the lease its last answer held ends
+    (the next call is here), and the answered prompt it continued counts as continued here too."""
+    if push.interaction:
+        leases.end(push.interaction)
+    if push.continued:
+        leases.continuations.heard_continued(push.continued, now)
 
 
 def heard_prefill(trie: PrefixTrie, push: HeardPush, now: float) -> float:

@@ -36,7 +36,10 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from typing import NamedTuple
+
 from lb.core.continuations import IMPLICIT, Continuations, declares
+from lb.core.prefix import prompt_size
 from lb.core.types import RequestFacts
 
 # How long a lease holds room for the interaction's next call: an agent's tool call or a chat
@@ -46,6 +49,21 @@ DEFAULT_LEASE_S = 5.0
 # Leases one replica keeps at most (the oldest end first): more interactions than this waiting
 # on one replica's cache between their calls is more than its KV holds anyway.
 MAX_LEASES_PER_TARGET = 4096
+# facts.extra: what an answered call leased and where its prompt ended (`Answered`)
+ANSWERED = "lb.leases.answered"
+
+
+class Answered(NamedTuple):
+    """An answered call's lease (tokens 0: none) and, for an undeclared call, the key its
+    prompt's end is known by (`short_size`: the prompt's size when shorter than a block): what
+    the other LB instances over the same replicas are told (lb.core.instances)."""
+
+    key: str
+    tokens: int
+    ttl_s: float
+    end: bytes
+    short_size: int
+    user: str
 
 
 def lease_key(facts: RequestFacts) -> str | None:
@@ -74,23 +92,42 @@ class KvLeases:
         key = lease_key(facts)
         if key is None:
             return
-        self.continuations.answered(facts, chain, now)  # (leases off, the fair queue still recognizes)
+        end = self.continuations.answered(facts, chain, now)  # (leases off, the fair queue still recognizes)
+        tokens, ttl_s = self._lease_for(facts, key, prompt_tokens, output_tokens)
+        if end is not None or tokens:  # what the other LB instances are told (lb.core.instances)
+            facts.extra[ANSWERED] = Answered(key, tokens, ttl_s, end or b"", prompt_size(facts) if end and not chain else 0,
+                                             facts.user or "")
+        if tokens:
+            self._lease(target_id, key, tokens, now + ttl_s)
+
+    def _lease_for(self, facts: RequestFacts, key: str, prompt_tokens: int, output_tokens: int) -> tuple[int, float]:
+        """The tokens (0: none) and seconds the answered call's context is leased for."""
         if self.ttl_s <= 0:
-            return
+            return 0, 0.0
         self.end(key)
         others = self._in_flight.get(key, 0) - (facts.request_id in self._calls)
         if facts.final_call or others > 0:
-            return
+            return 0, 0.0
         tokens, ttl_s = max(0, prompt_tokens) + max(0, output_tokens), self.ttl_s
         if not declares(facts):  # it may be the interaction's last: as likely as its user's calls are
             tokens = round(tokens * self.continuations.share(facts.user))
             ttl_s = self.continuations.lease_s(facts.user, ttl_s)
             if not tokens or ttl_s <= 0:
-                return
+                return 0, 0.0
+        return tokens, ttl_s
+
+    def heard(self, target_id: str, key: str, tokens: int, ttl_s: float, now: float) -> None:
+        """Another LB instance leased `tokens` on `target_id` for interaction `key`: held here
+        too, until the interaction's next call reaches either instance or `ttl_s` passes."""
+        if self.ttl_s > 0 and tokens > 0 and ttl_s > 0:
+            self.end(key)
+            self._lease(target_id, key, tokens, now + min(ttl_s, self.ttl_s))
+
+    def _lease(self, target_id: str, key: str, tokens: int, expires: float) -> None:
         leases = self._by_target.setdefault(target_id, OrderedDict())
-        leases[key] = (tokens, now + ttl_s)
+        leases[key] = (tokens, expires)
         expiry = self._expiry.setdefault(target_id, [])
-        heapq.heappush(expiry, (now + ttl_s, key))
+        heapq.heappush(expiry, (expires, key))
         if len(expiry) > 2 * len(leases) + 64:  # leases that ended early: their entries go
             expiry[:] = [(at, k) for k, (_, at) in leases.items()]
             heapq.heapify(expiry)

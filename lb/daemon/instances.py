@@ -3,9 +3,13 @@ every push it makes to a replica, so SP-P's headroom is not spent twice, and of 
 sent there, so every instance's prefix trie holds the region's history (lb.core.instances).
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
-tokens, prefix chain, request id, prompt tokens], and its answer as ["end", instance,
-replica id, request id, the prompt's last block, answer tokens] (where a conversation's next
-turn finds its history), by a sender task (a bounded queue: the request path never waits on
+tokens, prefix chain, request id, prompt tokens, interaction, the answered prompt end it
+continues], and its answer as ["end", instance, replica id, request id, the prompt's last
+block, answer tokens] (where a conversation's next turn finds its history) and, for a call of
+an interaction, ["lease", instance, replica id, interaction, leased tokens, lease seconds, the
+prompt's end, its size when shorter than a block, user] (the KV lease, and how a next call
+without headers is known: every instance holds the leases and recognizes the interactions as
+one LB would), by a sender task (a bounded queue: the request path never waits on
 Redis); a subscriber counts the others' pushes as unseen on the replica's view until their
 answer or one of our probes includes them, and each of our probes re-counts the ones it
 cannot include. On with `[state] backend = "redis"` (turn off with
@@ -22,8 +26,11 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.instances import (HeardEnd, encode_chain, end_message, heard_answer, heard_prefill, note_remote_end,
-                               note_remote_push, parse_message, push_message, remote_unseen)
+from lb.core.continuations import CONTINUED
+from lb.core.instances import (HeardEnd, HeardLease, encode_chain, end_message, heard_answer, heard_interaction,
+                               heard_lease, heard_prefill, lease_message, note_remote_end, note_remote_push,
+                               parse_message, push_message, remote_unseen)
+from lb.core.leases import ANSWERED, lease_key
 from lb.core.prefix import request_chain
 from lb.core.pushing import push_tokens
 
@@ -38,6 +45,7 @@ class SharedPushes:
         self.id = secrets.token_hex(8)
         self.registry = registry
         self.policy = dispatcher.policy
+        self.leases = dispatcher.scheduler.leases  # the interactions' leases and how calls continue
         self.logs: dict[str, deque] = defaultdict(deque)  # replica id -> the others' pushes (wall time, tokens)
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
@@ -71,7 +79,7 @@ class SharedPushes:
         mem = self.policy.prefix_memory  # the prefix-trie policies: share where this prefix went
         chain = encode_chain(request_chain(facts, mem.block_chars, mem.isolate_tenants)) if mem is not None else ""
         self._publish(push_message(self.id, rep.id, time.time(), push_tokens(facts), chain, facts.request_id,
-                                   facts.prompt_tokens))
+                                   facts.prompt_tokens, lease_key(facts) or "", facts.extra.get(CONTINUED, b"")))
 
     def answered(self, facts, rep, out, now: float) -> None:
         """The dispatcher's on_complete: the replica is done with our push, tell the others,
@@ -79,6 +87,11 @@ class SharedPushes:
         mem, tokens = self.policy.prefix_memory, out.answer_tokens()
         end = mem.prompt_end(facts) if mem is not None and tokens else b""
         self._publish(end_message(self.id, rep.id, facts.request_id, end, tokens))
+        answered = facts.extra.get(ANSWERED)  # what the scheduler leased there, and the prompt's end
+        if answered is not None:
+            message = lease_message(self.id, rep.id, answered)
+            if message is not None:
+                self._publish(message)
 
     def _publish(self, message: list) -> None:
         try:
@@ -145,5 +158,9 @@ class SharedPushes:
             if mem is not None:
                 heard_answer(mem.trie, heard)
             return
+        if isinstance(heard, HeardLease):
+            heard_lease(self.leases, heard, time.monotonic())
+            return
+        heard_interaction(self.leases, heard, time.monotonic())
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)

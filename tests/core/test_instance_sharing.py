@@ -98,3 +98,58 @@ def test_an_answer_heard_from_another_instance_is_where_the_next_turn_finds_its_
     heard_answer(trie, HeardEnd("a", "r1", "k2", chain[3], 0))  # answered nothing: nothing recorded
     heard_answer(trie, HeardEnd("a", "r1", "k3"))  # an earlier release: nothing recorded
     assert trie.answer_after("r1", chain[3], "turn-2") == 0
+
+
+def test_two_instances_hold_one_leases_and_know_one_agents_steps_without_headers():
+    """An undeclared agent's steps alternate between instances `a` and `b` (an L4 balancer in
+    front): each answered step's lease and prompt end travel as a "lease" message, each placed
+    step's interaction and the end it continued with its push. Both instances then hold the same
+    lease, recognize every step as the first's interaction and learn the same continued share."""
+    from lb.core.continuations import CONTINUED, IMPLICIT
+    from lb.core.instances import (HeardLease, HeardPush, heard_interaction, heard_lease, lease_message, parse_message,
+                                   push_message)
+    from lb.core.leases import ANSWERED, KvLeases, lease_key
+    from lb.core.prefix import request_chain
+    from lb.core.types import RequestFacts
+
+    inst = {"a": KvLeases(ttl_s=30.0), "b": KvLeases(ttl_s=30.0)}
+    system = "You are a coding agent. Tools: read, edit, run. " * 30
+    prompt = system + "Task: fix the failing test in parser.py. " * 8
+    for i in range(8):
+        here, there = ("a", "b") if i % 2 == 0 else ("b", "a")
+        now = 100.0 + i
+        call = RequestFacts(f"s{i}", "m", prompt=prompt, prompt_tokens=len(prompt) // 4, user="bot")
+        leases = inst[here]
+        leases.continuations.recognize(call, request_chain(call), now)
+        assert call.extra[IMPLICIT] == "s0"  # every step, at either instance: the first step's interaction
+        leases.arrived(call)
+        leases.placed(call)
+        pushed = parse_message(push_message(here, "r1", now, 900, "", call.request_id, 800, lease_key(call),
+                                            call.extra.get(CONTINUED, b"")))
+        assert isinstance(pushed, HeardPush) and pushed.interaction == "s0"
+        heard_interaction(inst[there], pushed, now)
+        assert inst[there].leased("r1", now) == 0  # the step is here: the lease it was held by ends there too
+        leases.ended(call.request_id)
+        leases.answered(call, "r1", len(prompt) // 4, 200, now + 0.5, request_chain(call))
+        heard = parse_message(lease_message(here, "r1", call.extra[ANSWERED]))
+        assert isinstance(heard, HeardLease)
+        heard_lease(inst[there], heard, now + 0.5)
+        assert inst[there].leased("r1", now + 0.6) == inst[here].leased("r1", now + 0.6)
+        prompt += f" read('parser{i}.py') " + "def parse(text): ... " * 40
+    share_a, share_b = (inst[x].continuations.share("bot") for x in "ab")
+    assert share_a == share_b > 0.8  # each learned every continuation, not only the half it received
+    assert inst["a"].leased("r1", 108.0) > 0 and inst["a"].leased("r1", 140.0) == 0  # and it ends by time
+
+
+def test_lease_messages_are_bounded_and_malformed_ones_ignored():
+    from lb.core.instances import LEASE, MAX_KEY_CHARS, lease_message, parse_message, push_message
+    from lb.core.leases import Answered
+    assert lease_message("a", "r", Answered("k" * (MAX_KEY_CHARS + 1), 10, 5.0, b"", 0, "u")) is None
+    assert parse_message(push_message("a", "r", 1.0, 9, "", "q", 8, "i" * (MAX_KEY_CHARS + 1))).interaction == ""
+    good = lease_message("a", "r", Answered("k", 10, 5.0, b"\x01" * 16, 0, "u"))
+    assert parse_message(good).answered == Answered("k", 10, 5.0, b"\x01" * 16, 0, "u")
+    for bad in ([LEASE, "a", "r", "k", -1, 5.0, "", 0, "u"], [LEASE, "a", "r", "k", 1, float("inf"), "", 0, "u"],
+                [LEASE, "a", "r", "k", 1, 5.0, "abcd", 0, "u"], [LEASE, "a", "r", "k", 1, 5.0, "", -3, "u"],
+                [LEASE, "a", "r", 7, 1, 5.0, "", 0, "u"], [LEASE, "a", "r", "k", 1, 5.0, ""],
+                ["a", "r", 1.0, 9, "", "q", 8, "i", "abcd"]):
+        assert parse_message(bad) is None, bad

@@ -150,3 +150,38 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
     assert second["matched_blocks"] < AffinityConfig().min_gain * second["prompt_blocks"], second  # the prompt alone would not hold it
     assert served_by == holder
+
+
+def test_an_agent_without_headers_holds_one_lease_whichever_instance_answers(tmp_path: Path, procs, redis_url):
+    """The `openai` SDK's agent (no `x-lb-*` header) alternates between instances `a` and `b`:
+    the lease its last answer holds on the replica is the same at both (the answering instance
+    tells the other; lb.daemon.instances), so neither pushes other work into it, and it ends at
+    both when the next step arrives at either."""
+    import openai
+
+    emu, url = start_emulator("--speed", "4", name="emu-agent")
+    procs.append(emu)
+    cfg = tmp_path / "lb-agent.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "agent:"\n\n'
+                   f'[pushing]\nlease_s = 60\n\n[[replicas]]\nurl = "{url}"\nengine = "sglang"\nmodels = ["m"]\n')
+    pair = [start_lb(config=cfg, name=f"lb-agent-{n}") for n in "ab"]
+    procs.extend(lb.proc for lb in pair)
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    try:
+        poll(lambda: dict(r.pubsub_numsub("agent:pushes")).get(b"agent:pushes") == 2, what="both instances subscribed")
+    finally:
+        r.close()
+    clients = [openai.OpenAI(base_url=lb.url + "/v1", api_key="unused", max_retries=0) for lb in pair]
+    messages = [{"role": "system", "content": "You are a coding agent. Tools: read, edit, run. " * 30},
+                {"role": "user", "content": "Fix the failing test in parser.py. " * 8}]
+    seen = []
+    for step in range(6):
+        answer = clients[step % 2].chat.completions.create(model="m", user="bot", max_tokens=8, messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": f"read('parser{step}.py'): " + "def parse(text): ... " * 40}]
+        here = metric(pair[step % 2].url, "lb_replica_leased_tokens")
+        poll(lambda: metric(pair[1 - step % 2].url, "lb_replica_leased_tokens") == here,
+             what="the other instance holds the same lease", interval=0.05)
+        seen.append(here)
+    assert seen[0] == 0 and all(x > 0 for x in seen[3:]), seen  # leased once the agent's calls are known continued
