@@ -122,11 +122,14 @@ class HeardEnd:
 
 @dataclass(frozen=True)
 class HeardLease:
-    """Another instance's answered call: its lease on the replica (lb.core.leases.Answered)."""
+    """Another instance's answered call: its lease on the replica (lb.core.leases.Answered) and
+    the rank its interaction keeps in the fair queue (`anchor`, None where none is kept)."""
 
     sender: str
     replica: str
     answered: Answered
+    interaction: str = ""
+    anchor: float | None = None
 
 
 def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int,
@@ -136,11 +139,15 @@ def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, 
     return [sender, replica, at, tokens, chain, key, prompt_tokens, interaction, continued.hex()]
 
 
-def lease_message(sender: str, replica: str, a: Answered) -> list | None:
+def lease_message(sender: str, replica: str, a: Answered, interaction: str | None = None,
+                  anchor: float | None = None) -> list | None:
     """None when there is nothing to share (an id too long to send)."""
     if len(a.key) > MAX_KEY_CHARS or len(a.user) > MAX_KEY_CHARS:
         return None
-    return [LEASE, sender, replica, a.key, a.tokens, a.ttl_s, a.end.hex(), a.short_size, a.user]
+    message = [LEASE, sender, replica, a.key, a.tokens, a.ttl_s, a.end.hex(), a.short_size, a.user]
+    if interaction is not None and anchor is not None and len(interaction) <= MAX_KEY_CHARS:
+        message += [interaction, anchor]
+    return message
 
 
 def end_message(sender: str, replica: str, key: str, prompt_end: bytes = b"", answer_tokens: int = 0) -> list:
@@ -169,7 +176,13 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | HeardLease | None:
                     or short < 0 or not isinstance(key, str) or not isinstance(user, str)
                     or len(key) > MAX_KEY_CHARS or len(user) > MAX_KEY_CHARS):
                 return None
-            return HeardLease(str(sender), str(replica), Answered(key, tokens, ttl_s, end, short, user))
+            interaction, anchor = ("", None)
+            if len(doc) >= 11:
+                interaction, anchor = doc[9], float(doc[10])
+                if not isinstance(interaction, str) or len(interaction) > MAX_KEY_CHARS or not math.isfinite(anchor):
+                    return None
+            return HeardLease(str(sender), str(replica), Answered(key, tokens, ttl_s, end, short, user),
+                              interaction, anchor)
         sender, replica, at, tokens, chain = doc[:5]
         key, prompt = (str(doc[5]), int(doc[6])) if len(doc) >= 7 else ("", 0)
         interaction, continued = (str(doc[7]), bytes.fromhex(doc[8])) if len(doc) >= 9 else ("", b"")
@@ -189,13 +202,16 @@ def heard_answer(trie: PrefixTrie, end: HeardEnd) -> None:
         trie.answered(end.replica, end.prompt_end, end.answer_tokens)
 
 
-def heard_lease(leases: KvLeases, heard: HeardLease, now: float) -> None:
-    """The other instance's answered call: its lease holds here too, and a next call arriving
-    here that extends its prompt continues its interaction, as if this instance had answered."""
+def heard_lease(leases: KvLeases, queue, heard: HeardLease, now: float) -> None:
+    """The other instance's answered call: its lease holds here too, a next call arriving here
+    that extends its prompt continues its interaction, and that call keeps the rank the
+    interaction was let in at in the fair queue (`queue`), as if this instance had answered."""
     a = heard.answered
     leases.heard(heard.replica, a.key, a.tokens, a.ttl_s, now)
     if a.end:
         leases.continuations.heard_answer(a.end, a.key, a.user, now, a.short_size)
+    if heard.interaction and heard.anchor is not None:
+        queue.heard_anchor(heard.interaction, heard.anchor)
 
 
 def heard_interaction(leases: KvLeases, push: HeardPush, now: float) -> None:

@@ -79,6 +79,13 @@ class QueueOrderBase:
     def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
         """A request taken out earlier finished with this usage (WSC/VTC settle the charge)."""
 
+    def anchor(self, interaction: str | None) -> float | None:
+        """The rank an interaction's calls keep (WSC: its anchor), where the order keeps one."""
+        return None
+
+    def heard_anchor(self, interaction: str, anchor: float) -> None:
+        """Another LB instance let the interaction in at this rank (lb.core.instances)."""
+
     def walk(self, now: float) -> Iterator[QueueEntry]:
         """`iter_in_order(now)`, but head by head (`peek`) while the caller keeps taking the
         head: a full walk snapshots the whole queue, and a pass that places one request off
@@ -468,6 +475,17 @@ class WSCQueue(_MembershipQueue):
 
     def completed(self, facts: RequestFacts, input_tokens: int, output_tokens: int) -> None:
         self.service.complete(facts, input_tokens=input_tokens, output_tokens=output_tokens)
+
+    def anchor(self, interaction: str | None) -> float | None:
+        return self._anchors.get(interaction) if interaction is not None else None
+
+    def heard_anchor(self, interaction: str, anchor: float) -> None:
+        """The instance that dispatched the interaction's first call set its anchor (the service
+        counters are shared, so it is a rank here too); an anchor of our own stays."""
+        if self.service.cfg.interaction_credit > 0 and interaction not in self._anchors:
+            self._anchors[interaction] = anchor
+            if len(self._anchors) > ANCHORS_KEPT:
+                self._anchors.popitem(last=False)
 
     def _user_key(self, user: str, now: float) -> tuple:
         # ties: the user with fewer calls running, then whose oldest waiting entry came first

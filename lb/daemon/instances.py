@@ -26,7 +26,7 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.continuations import CONTINUED
+from lb.core.continuations import CONTINUED, interaction_of
 from lb.core.instances import (HeardEnd, HeardLease, encode_chain, end_message, heard_answer, heard_interaction,
                                heard_lease, heard_prefill, lease_message, note_remote_end, note_remote_push,
                                parse_message, push_message, remote_unseen)
@@ -46,6 +46,7 @@ class SharedPushes:
         self.registry = registry
         self.policy = dispatcher.policy
         self.leases = dispatcher.scheduler.leases  # the interactions' leases and how calls continue
+        self.queue = dispatcher.scheduler.queue  # the rank each interaction keeps there
         self.logs: dict[str, deque] = defaultdict(deque)  # replica id -> the others' pushes (wall time, tokens)
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
@@ -89,7 +90,8 @@ class SharedPushes:
         self._publish(end_message(self.id, rep.id, facts.request_id, end, tokens))
         answered = facts.extra.get(ANSWERED)  # what the scheduler leased there, and the prompt's end
         if answered is not None:
-            message = lease_message(self.id, rep.id, answered)
+            interaction = interaction_of(facts)  # and the rank the fair queue keeps for it
+            message = lease_message(self.id, rep.id, answered, interaction, self.queue.anchor(interaction))
             if message is not None:
                 self._publish(message)
 
@@ -159,7 +161,7 @@ class SharedPushes:
                 heard_answer(mem.trie, heard)
             return
         if isinstance(heard, HeardLease):
-            heard_lease(self.leases, heard, time.monotonic())
+            heard_lease(self.leases, self.queue, heard, time.monotonic())
             return
         heard_interaction(self.leases, heard, time.monotonic())
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)

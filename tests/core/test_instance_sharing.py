@@ -110,6 +110,7 @@ def test_two_instances_hold_one_leases_and_know_one_agents_steps_without_headers
                                    push_message)
     from lb.core.leases import ANSWERED, KvLeases, lease_key
     from lb.core.prefix import request_chain
+    from lb.core.queueing import make_queue
     from lb.core.types import RequestFacts
 
     inst = {"a": KvLeases(ttl_s=30.0), "b": KvLeases(ttl_s=30.0)}
@@ -133,7 +134,7 @@ def test_two_instances_hold_one_leases_and_know_one_agents_steps_without_headers
         leases.answered(call, "r1", len(prompt) // 4, 200, now + 0.5, request_chain(call))
         heard = parse_message(lease_message(here, "r1", call.extra[ANSWERED]))
         assert isinstance(heard, HeardLease)
-        heard_lease(inst[there], heard, now + 0.5)
+        heard_lease(inst[there], make_queue("fcfs"), heard, now + 0.5)
         assert inst[there].leased("r1", now + 0.6) == inst[here].leased("r1", now + 0.6)
         prompt += f" read('parser{i}.py') " + "def parse(text): ... " * 40
     share_a, share_b = (inst[x].continuations.share("bot") for x in "ab")
@@ -153,3 +154,29 @@ def test_lease_messages_are_bounded_and_malformed_ones_ignored():
                 [LEASE, "a", "r", 7, 1, 5.0, "", 0, "u"], [LEASE, "a", "r", "k", 1, 5.0, ""],
                 ["a", "r", 1.0, 9, "", "q", 8, "i", "abcd"]):
         assert parse_message(bad) is None, bad
+
+
+def test_an_interaction_keeps_the_rank_it_was_let_in_at_whichever_instance_queues_its_next_call():
+    """Instance `a` dispatched the interaction's call at its user's counter then (its anchor,
+    lb.core.queueing.WSCQueue); the lease message carries it, and `b`'s fair queue ranks the
+    interaction's next call by it, as `a`'s would. An anchor `b` has of its own stays."""
+    from lb.core.fairness import WeightedService
+    from lb.core.instances import heard_lease, lease_message, parse_message
+    from lb.core.leases import Answered, KvLeases
+    from lb.core.queueing import make_queue
+    from lb.core.types import QueueEntry, RequestFacts
+
+    a, b = (make_queue("wsc", service=WeightedService()) for _ in range(2))
+    call = RequestFacts("s1", "m", user="u", interaction_id="task-7", interaction_stage=1, prompt_tokens=100)
+    entry = QueueEntry(call, enqueued_at=1.0, seq=1)
+    a.push(entry)
+    a.dispatch(entry)
+    assert a.anchor("task-7") == 0.0 and b.anchor("task-7") is None
+    message = lease_message("a", "r1", Answered("task-7", 500, 5.0, b"", 0, "u"), "task-7", a.anchor("task-7"))
+    heard_lease(KvLeases(), b, parse_message(message), 2.0)
+    assert b.anchor("task-7") == 0.0
+    heard_lease(KvLeases(), b, parse_message(lease_message("a", "r1", Answered("task-7", 5, 5.0, b"", 0, "u"),
+                                                            "task-7", 99.0)), 3.0)
+    assert b.anchor("task-7") == 0.0
+    assert parse_message(lease_message("a", "r1", Answered("k", 5, 5.0, b"", 0, "u"), "k", None)).anchor is None
+    assert parse_message(["lease", "a", "r", "k", 1, 5.0, "", 0, "u", "k", float("nan")]) is None
