@@ -72,6 +72,14 @@ def recognized_continuation(facts: RequestFacts) -> bool:
     return key is not None and key != facts.request_id
 
 
+def continues(facts: RequestFacts) -> bool | None:
+    """For an undeclared call the scheduler looked at: does it continue an answered call? None
+    for a call that names its interaction, or one nothing recognized (no prefix memory)."""
+    if declares(facts) or IMPLICIT not in facts.extra:
+        return None
+    return recognized_continuation(facts)
+
+
 def interaction_of(facts: RequestFacts) -> str | None:
     """The interaction the call names, else the one it was recognized to continue: the fair
     queue keeps such an interaction's rank as a declared one's from its second call on (a

@@ -47,6 +47,10 @@ class Metrics:
                                  ["policy", "target", "reason"], registry=r)
         self.prefix_match = Histogram("lb_prefix_match_blocks", "Prefix blocks matched by the routing choice",
                                       buckets=MATCH_BUCKETS, registry=r)
+        # continues: yes | no (lb.core.continuations.continues): how much of the traffic that names no
+        # interaction lb knows by its prompts
+        self.undeclared = Counter("lb_undeclared_calls", "Calls naming no interaction or session, by whether "
+                                  "their prompt continued an answered call", ["continues"], registry=r)
         self.retries = Counter("lb_upstream_retries", "Attempts retried on another replica before the first byte",
                                ["reason"], registry=r)
         self.upstream_errors = Counter("lb_upstream_errors", "Upstream failures by kind", ["target", "kind"], registry=r)

@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
+from lb.core.continuations import continues
 from lb.core.facts import H_REQUEST_ID, BadRequest, build_facts
 from lb.core.health import RETRYABLE_STATUSES, backoff_delay
 from lb.core.loadparse import usage_from_tail
@@ -303,6 +304,9 @@ class Proxy:
             raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
         if route.dispatch != DIRECT:  # a tokenize call spends no engine time: not a request RPM/OIT counts
             self.dispatcher.scheduler.recognize(facts, t0)  # OIT never cuts an interaction its prompt continues
+            known = continues(facts)
+            if known is not None:
+                self.metrics.child(self.metrics.undeclared, "yes" if known else "no").inc()
             await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
                                           any(self.dispatcher.available(r.view) for r in self.registry.active()))
         if self.jobs.durable(request):  # 202 and a job id: served later, survives a restart

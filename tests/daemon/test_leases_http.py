@@ -68,3 +68,7 @@ def test_an_agent_that_sends_no_headers_is_known_by_its_prompts(procs, tmp_path)
                      {"role": "user", "content": f"tool output of step {step}: " + "ok " * 60}]
     context = answer.usage.prompt_tokens + answer.usage.completion_tokens
     assert 0.5 * context < leased(lb) < context  # 5 of its 6 calls continued: that share of the context
+    # /metrics says how much of the undeclared traffic lb knew by its prompts: the 6 questions
+    # and the agent's first step continue nothing, its 5 next steps do
+    assert metric(lb.url, "lb_undeclared_calls_total", continues="yes") == 5
+    assert metric(lb.url, "lb_undeclared_calls_total", continues="no") == 7
