@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-
 from typing import NamedTuple
 
 from lb.core.continuations import IMPLICIT, Continuations, declares
@@ -95,8 +94,8 @@ class KvLeases:
         end = self.continuations.answered(facts, chain, now)  # (leases off, the fair queue still recognizes)
         tokens, ttl_s = self._lease_for(facts, key, prompt_tokens, output_tokens)
         if end is not None or tokens:  # what the other LB instances are told (lb.core.instances)
-            facts.extra[ANSWERED] = Answered(key, tokens, ttl_s, end or b"", prompt_size(facts) if end and not chain else 0,
-                                             facts.user or "")
+            short_size = prompt_size(facts) if end and not chain else 0
+            facts.extra[ANSWERED] = Answered(key, tokens, ttl_s, end or b"", short_size, facts.user or "")
         if tokens:
             self._lease(target_id, key, tokens, now + ttl_s)
 
