@@ -84,6 +84,12 @@ row("Prefix cache")
 panel("Cache hit (cached / prompt tokens)", [(f'sum(rate(lb_cached_tokens_total{I}{R})) / clamp_min(sum(rate(lb_prompt_tokens_total{I}{R})), 1)', "all"), (f'sum by (target) (rate(lb_cached_tokens_total{I}{R})) / clamp_min(sum by (target) (rate(lb_prompt_tokens_total{I}{R})), 1)', "{{target}}")], "percentunit")
 panel("Prefix blocks matched by the routing choice", [(q(0.5, "lb_prefix_match_blocks"), "p50"), (q(0.95, "lb_prefix_match_blocks"), "p95")])
 panel("Tokens/s", [(f'sum(rate(lb_prompt_tokens_total{I}{R}))', "prompt"), (f'sum(rate(lb_cached_tokens_total{I}{R}))', "cached"), (f'sum(rate(lb_output_tokens_total{I}{R}))', "output"), (f'sum(rate(lb_tokens_wasted_total{I}{R}))', "wasted (aborted)")])
+panel("KV leases by replica", [(f'lb_replica_leased_tokens{I}', "{{replica}}")],
+      desc="Tokens of contexts that interactions between their calls will come back for, kept out of selective pushing's headroom (docs/routing.md)")
+panel("Calls naming no interaction: share known by their prompts", [
+    ('sum(rate(lb_undeclared_calls_total' + sel('continues="yes"') + f'{R})) / clamp_min(sum(rate(lb_undeclared_calls_total{I}{R})), 1e-9)',
+     "continue an answered call")],
+      "percentunit", desc="Of the calls that send no x-lb-interaction-id or x-lb-session, the share whose prompt extended an answered call's (lb.core.continuations)")
 endrow()
 row("Peers (other regions)")
 panel("Peer healthy / available", [(f'lb_peer_healthy{I}', "healthy {{peer}}"), (f'lb_peer_available{I}', "available {{peer}}")])
