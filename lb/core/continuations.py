@@ -80,6 +80,12 @@ def continues(facts: RequestFacts) -> bool | None:
     return recognized_continuation(facts)
 
 
+def interaction_key(facts: RequestFacts) -> str | None:
+    """The interaction the call names, else the one it was recognized to continue or start
+    (None for a call nothing recognized, or one that names only its session)."""
+    return facts.interaction_id or facts.extra.get(IMPLICIT)
+
+
 def interaction_of(facts: RequestFacts) -> str | None:
     """The interaction the call names, else the one it was recognized to continue: the fair
     queue keeps such an interaction's rank as a declared one's from its second call on (a

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-from .continuations import IMPLICIT, recognized_continuation
+from .continuations import interaction_key, recognized_continuation
 from .ewma import EwmaTable
 from .types import RequestFacts
 
@@ -238,12 +238,12 @@ class InteractionLedger:
         return facts.interaction_id in self._spent or (facts.interaction_stage or 0) > 0
 
     def dispatched(self, facts: RequestFacts, now: float) -> None:
-        key = _interaction_key(facts)
+        key = interaction_key(facts)
         if key is not None and (facts.interaction_id is not None or recognized_continuation(facts)):
             self._touch(key, now, 0)
 
     def completed(self, facts: RequestFacts, now: float, tokens: int) -> None:
-        key = _interaction_key(facts)
+        key = interaction_key(facts)
         if key is None:
             return
         if facts.final_call and facts.interaction_id is not None:
@@ -255,7 +255,7 @@ class InteractionLedger:
         """Record a throttle; returns the tokens it wasted (0 unless mid-interaction)."""
         if not self.in_progress(facts, now):
             return 0
-        _, spent = self._spent.pop(_interaction_key(facts), (now, 0))
+        _, spent = self._spent.pop(interaction_key(facts), (now, 0))
         self.tokens_wasted += spent
         self.interactions_aborted += 1
         return spent
@@ -273,12 +273,6 @@ class InteractionLedger:
             if now - touched <= self.ttl_s:
                 break
             del self._spent[iid]
-
-
-def _interaction_key(facts: RequestFacts) -> str | None:
-    """The interaction the call names, else the one its prompt was recognized to continue or
-    start (None when nothing recognized it: no prefix memory)."""
-    return facts.interaction_id if facts.interaction_id is not None else facts.extra.get(IMPLICIT)
 
 
 # ---------------------------------------------------------------- WSC / VTC

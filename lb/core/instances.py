@@ -128,7 +128,6 @@ class HeardLease:
     sender: str
     replica: str
     answered: Answered
-    interaction: str = ""
     anchor: float | None = None
 
 
@@ -139,15 +138,13 @@ def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, 
     return [sender, replica, at, tokens, chain, key, prompt_tokens, interaction, continued.hex()]
 
 
-def lease_message(sender: str, replica: str, a: Answered, interaction: str | None = None,
-                  anchor: float | None = None) -> list | None:
-    """None when there is nothing to share (an id too long to send)."""
+def lease_message(sender: str, replica: str, a: Answered, anchor: float | None = None) -> list | None:
+    """None when there is nothing to share (an id too long to send). `anchor`: the rank the
+    fair queue keeps for the interaction `a.key`, where it keeps one."""
     if len(a.key) > MAX_KEY_CHARS or len(a.user) > MAX_KEY_CHARS:
         return None
     message = [LEASE, sender, replica, a.key, a.tokens, a.ttl_s, a.end.hex(), a.short_size, a.user]
-    if interaction is not None and anchor is not None and len(interaction) <= MAX_KEY_CHARS:
-        message += [interaction, anchor]
-    return message
+    return message if anchor is None else message + [anchor]
 
 
 def end_message(sender: str, replica: str, key: str, prompt_end: bytes = b"", answer_tokens: int = 0) -> list:
@@ -176,13 +173,10 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | HeardLease | None:
                     or short < 0 or not isinstance(key, str) or not isinstance(user, str)
                     or len(key) > MAX_KEY_CHARS or len(user) > MAX_KEY_CHARS):
                 return None
-            interaction, anchor = ("", None)
-            if len(doc) >= 11:
-                interaction, anchor = doc[9], float(doc[10])
-                if not isinstance(interaction, str) or len(interaction) > MAX_KEY_CHARS or not math.isfinite(anchor):
-                    return None
-            return HeardLease(str(sender), str(replica), Answered(key, tokens, ttl_s, end, short, user),
-                              interaction, anchor)
+            anchor = float(doc[9]) if len(doc) >= 10 else None
+            if anchor is not None and not math.isfinite(anchor):
+                return None
+            return HeardLease(str(sender), str(replica), Answered(key, tokens, ttl_s, end, short, user), anchor)
         sender, replica, at, tokens, chain = doc[:5]
         key, prompt = (str(doc[5]), int(doc[6])) if len(doc) >= 7 else ("", 0)
         interaction, continued = (str(doc[7]), bytes.fromhex(doc[8])) if len(doc) >= 9 else ("", b"")
@@ -190,7 +184,7 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | HeardLease | None:
         if not (math.isfinite(at) and tokens >= 0 and prompt >= 0) or len(continued) not in (0, HASH_BYTES):
             return None
         return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt,
-                         interaction[:MAX_KEY_CHARS], continued)
+                         interaction if len(interaction) <= MAX_KEY_CHARS else "", continued)
     except (ValueError, TypeError, OverflowError):
         return None
 
@@ -210,8 +204,8 @@ def heard_lease(leases: KvLeases, queue, heard: HeardLease, now: float) -> None:
     leases.heard(heard.replica, a.key, a.tokens, a.ttl_s, now)
     if a.end:
         leases.continuations.heard_answer(a.end, a.key, a.user, now, a.short_size)
-    if heard.interaction and heard.anchor is not None:
-        queue.heard_anchor(heard.interaction, heard.anchor)
+    if heard.anchor is not None:
+        queue.heard_anchor(a.key, heard.anchor)
 
 
 def heard_interaction(leases: KvLeases, push: HeardPush, now: float) -> None:

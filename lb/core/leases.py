@@ -37,7 +37,7 @@ import heapq
 from collections import OrderedDict
 from typing import NamedTuple
 
-from lb.core.continuations import IMPLICIT, Continuations, declares
+from lb.core.continuations import Continuations, declares, interaction_key
 from lb.core.prefix import prompt_size
 from lb.core.types import RequestFacts
 
@@ -67,8 +67,9 @@ class Answered(NamedTuple):
 
 def lease_key(facts: RequestFacts) -> str | None:
     """The interaction a call belongs to: its interaction id, else its session, else the one its
-    prompt was recognized to continue (`lb.core.continuations`)."""
-    return facts.interaction_id or facts.session or facts.extra.get(IMPLICIT)
+    prompt was recognized to continue (`lb.core.continuations`; a call naming its session is
+    not recognized, so the session comes before it)."""
+    return interaction_key(facts) or facts.session
 
 
 class KvLeases:

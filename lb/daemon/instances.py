@@ -7,7 +7,8 @@ tokens, prefix chain, request id, prompt tokens, interaction, the answered promp
 continues], and its answer as ["end", instance, replica id, request id, the prompt's last
 block, answer tokens] (where a conversation's next turn finds its history) and, for a call of
 an interaction, ["lease", instance, replica id, interaction, leased tokens, lease seconds, the
-prompt's end, its size when shorter than a block, user] (the KV lease, and how a next call
+prompt's end, its size when shorter than a block, user, and the fair queue's anchor where it
+keeps one] (the KV lease, and how a next call
 without headers is known: every instance holds the leases and recognizes the interactions as
 one LB would), by a sender task (a bounded queue: the request path never waits on
 Redis); a subscriber counts the others' pushes as unseen on the replica's view until their
@@ -26,7 +27,7 @@ from collections import defaultdict, deque
 
 import orjson
 
-from lb.core.continuations import CONTINUED, interaction_of
+from lb.core.continuations import CONTINUED
 from lb.core.instances import (HeardEnd, HeardLease, encode_chain, end_message, heard_answer, heard_interaction,
                                heard_lease, heard_prefill, lease_message, note_remote_end, note_remote_push,
                                parse_message, push_message, remote_unseen)
@@ -90,8 +91,7 @@ class SharedPushes:
         self._publish(end_message(self.id, rep.id, facts.request_id, end, tokens))
         answered = facts.extra.get(ANSWERED)  # what the scheduler leased there, and the prompt's end
         if answered is not None:
-            interaction = interaction_of(facts)  # and the rank the fair queue keeps for it
-            message = lease_message(self.id, rep.id, answered, interaction, self.queue.anchor(interaction))
+            message = lease_message(self.id, rep.id, answered, self.queue.anchor(answered.key))  # and its rank
             if message is not None:
                 self._publish(message)
 

@@ -172,11 +172,11 @@ def test_an_interaction_keeps_the_rank_it_was_let_in_at_whichever_instance_queue
     a.push(entry)
     a.dispatch(entry)
     assert a.anchor("task-7") == 0.0 and b.anchor("task-7") is None
-    message = lease_message("a", "r1", Answered("task-7", 500, 5.0, b"", 0, "u"), "task-7", a.anchor("task-7"))
+    message = lease_message("a", "r1", Answered("task-7", 500, 5.0, b"", 0, "u"), a.anchor("task-7"))
     heard_lease(KvLeases(), b, parse_message(message), 2.0)
     assert b.anchor("task-7") == 0.0
-    heard_lease(KvLeases(), b, parse_message(lease_message("a", "r1", Answered("task-7", 5, 5.0, b"", 0, "u"),
-                                                            "task-7", 99.0)), 3.0)
+    heard_lease(KvLeases(), b, parse_message(lease_message("a", "r1", Answered("task-7", 5, 5.0, b"", 0, "u"), 99.0)),
+                3.0)
     assert b.anchor("task-7") == 0.0
-    assert parse_message(lease_message("a", "r1", Answered("k", 5, 5.0, b"", 0, "u"), "k", None)).anchor is None
-    assert parse_message(["lease", "a", "r", "k", 1, 5.0, "", 0, "u", "k", float("nan")]) is None
+    assert parse_message(lease_message("a", "r1", Answered("k", 5, 5.0, b"", 0, "u"))).anchor is None
+    assert parse_message(["lease", "a", "r", "k", 1, 5.0, "", 0, "u", float("nan")]) is None
