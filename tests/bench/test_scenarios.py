@@ -70,3 +70,21 @@ def test_fleet_meters_cpu_of_its_processes_and_stops_them(tmp_path):
         assert cpu_seconds(service.pid) >= 0.25
         assert fleet.cpu()["spinner"] >= 0.25
     assert service.popen.poll() is not None  # stopped when the block ended
+
+
+def test_ha_pair_agents_runs_one_lb_and_a_pair_end_to_end(tmp_path):
+    """The scenario behind the HA pair's figure (docs/results.md), shrunk: both variants serve
+    agent sessions without headers with no error, and the report carries the pair's ratios."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (scripts/install-deps.sh installs it)")
+    done = subprocess.run(lb_bench("scenario", "ha-pair-agents", "--quick", "--duration", "6", "--clients", "8",
+                                   "--no-session-headers", "--out", str(tmp_path)),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for name in ("one lb", "two lb + redis"):
+        v = summary["variants"][name]
+        assert v["ok"] == v["requests"] > 0 and v["errors"] == 0 and v["lb_headers"] is False
+    assert any(n.startswith("pair / one: throughput") for n in summary["notes"])
