@@ -100,7 +100,8 @@ def run(out_dir: Path, quick: bool, repeats: int | None = None, duration: float 
     variants = {name: combine_runs(rs) for name, rs in runs.items()}
     spread = {}
     for name, rs in runs.items():
-        for key, get in (("sessions_per_s", lambda r: r["programs"]["finished_rps"]),
+        for key, get in (("req_per_s", lambda r: r["throughput_rps"]),
+                         ("sessions_per_s", lambda r: r["programs"]["finished_rps"]),
                          ("engine_waiting", lambda r: r["engine_waiting_mean"]),
                          ("cached", lambda r: r["cached_token_ratio"]),
                          ("cores_busy", lambda r: r["machine"]["host_cores_busy"])):

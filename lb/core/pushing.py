@@ -257,7 +257,8 @@ def settle_completion(view: ReplicaView) -> None:
 
 
 def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int, load_pending: int | None,
-                 load_running: int | None, early_reprobe_s: float, answering_at_start: int = 0) -> None:
+                 load_running: int | None, early_reprobe_s: float, answering_at_start: int = 0,
+                 others_at_start: int = 0) -> None:
     """A probe that started at `started_at` answered: set the pushes (and their KV tokens)
     its answer cannot include — the ones sent after it started, plus the ones still on the
     wire. The engine's own count tells the latter: what we had in flight at the start that
@@ -268,7 +269,11 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
     to 24 of them, 0.1-2.7 s old; the predicted-TTFT scorer then priced their prompts as
     prefill still ahead, and a tree's next calls left the replica holding its prefix. Without
     a running count, pushes younger than `early_reprobe_s` are assumed still on the wire.
-    Unseen pushes are the newest ones, so their tokens are the newest tokens."""
+    Unseen pushes are the newest ones, so their tokens are the newest tokens.
+
+    `others_at_start`: the other LB instances' pushes there not answered at the start, as heard
+    (lb.core.instances). The engine's counts hold them too: taken for ours, they hid every push
+    of ours still on the wire from the count."""
     log = view.push_log
     while len(log) > view.outstanding:  # only a push still in flight can be unseen
         log.popleft()
@@ -283,7 +288,7 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
         else:
             break
     if load_running is not None:
-        wire = max(0, min(outstanding_at_start - (load_pending or 0) - load_running,
+        wire = max(0, min(outstanding_at_start + others_at_start - (load_pending or 0) - load_running,
                           outstanding_at_start - answering_at_start))
     unseen = after + wire
     view.pushed_since_probe = unseen

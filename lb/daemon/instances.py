@@ -111,6 +111,7 @@ class SharedPushes:
         rep.view.pushed_tokens_since_probe += tokens
         rep.view.remote_since_probe = n
         rep.view.remote_prefill_since_probe = prefill
+        rep.view.others_outstanding = len(self.logs[rep.id]) if rep.id in self.logs else 0  # old ones dropped
 
     async def _send(self) -> None:
         while True:

@@ -118,6 +118,7 @@ class Prober:
         view = rep.view
         outstanding_at_start = view.outstanding
         answering_at_start = self.registry.answering(rep.id)
+        others_at_start = view.others_outstanding  # the other instances' (lb.daemon.instances)
         load: EngineLoad | None = None
         ok = False
         found: Detected | None = None
@@ -158,7 +159,7 @@ class Prober:
                 view.kv_free_tokens = view.max_running = view.kv_total_tokens = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)
             settle_probe(view, t0, outstanding_at_start, pending, running, self.cfg.early_reprobe_s,
-                         answering_at_start)
+                         answering_at_start, others_at_start)
             for fn in self.on_probe:
                 fn(rep, load, t0)
         if view.healthy != was_healthy:

@@ -180,3 +180,32 @@ def test_an_interaction_keeps_the_rank_it_was_let_in_at_whichever_instance_queue
     assert b.anchor("task-7") == 0.0
     assert parse_message(lease_message("a", "r1", Answered("k", 5, 5.0, b"", 0, "u"))).anchor is None
     assert parse_message(["lease", "a", "r", "k", 1, 5.0, "", 0, "u", float("nan")]) is None
+
+
+def test_a_probe_counts_our_pushes_on_the_wire_though_the_engine_also_runs_another_instances():
+    """The engine's running and waiting counts hold the other instances' requests beside ours.
+    Taken all for ours, they hid our pushes still on their way there: the headroom was spent
+    again. The other instance's pushes not answered yet, as heard, are not ours."""
+    from lb.core.pushing import record_push, settle_probe
+
+    view = ReplicaView(id="r", url="", healthy=True, kv_free_tokens=10**6)
+    log: deque = deque()
+    for i in range(4):  # the other instance's four, long running there
+        note_remote_push(view, log, 90.0 + i, 100, probe_started_at=None, key=f"b{i}")
+    assert view.others_outstanding == 4
+    for i in range(3):  # ours: one the engine runs, two still on their way
+        record_push(view, 200, 1.0 + i * 0.1)
+    # the engine holds five: the other instance's four and one of ours
+    settle_probe(view, 3.0, view.outstanding, load_pending=0, load_running=5, early_reprobe_s=0.002,
+                 others_at_start=view.others_outstanding)
+    assert view.pushed_since_probe == 2 and view.pushed_tokens_since_probe == 400
+    # one LB alone (no other instance heard): the same counts say the same as before
+    alone = ReplicaView(id="s", url="", healthy=True, kv_free_tokens=10**6)
+    for i in range(3):
+        record_push(alone, 200, 1.0 + i * 0.1)
+    settle_probe(alone, 3.0, alone.outstanding, load_pending=0, load_running=1, early_reprobe_s=0.002)
+    assert alone.pushed_since_probe == 2
+    # the other instance's answers end: it no longer counts them there
+    for i in range(4):
+        assert note_remote_end(view, log, f"b{i}", 99.0)
+    assert view.others_outstanding == 0
