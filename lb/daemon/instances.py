@@ -157,9 +157,11 @@ class SharedPushes:
         log, probe_started = self.logs[rep.id], self.probe_started.get(rep.id)
         mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
         if isinstance(heard, HeardEnd):
-            note_remote_end(rep.view, log, heard.key, probe_started)
+            known = note_remote_end(rep.view, log, heard.key, probe_started)
             if mem is not None:
                 heard_answer(mem.trie, heard)
+            if known:  # as one LB would on its own answer's end: the room it freed, seen at once
+                self.registry.ended(rep)
             return
         if isinstance(heard, HeardLease):
             heard_lease(self.leases, self.queue, heard, time.monotonic())

@@ -156,11 +156,16 @@ class Registry:
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
     def completed(self, rep: Replica) -> None:
         rep.view.outstanding -= 1
+        if rep.view.draining and rep.view.outstanding == 0:
+            self._finish(rep)
+        self.ended(rep)
+
+    def ended(self, rep: Replica) -> None:
+        """A request on `rep` ended, ours or another LB instance's (lb.daemon.instances): the
+        engine admits one it kept waiting, and its freed KV may take more."""
         settle_completion(rep.view)
         if self.wants_probe(rep.view):  # a finished request frees KV: its waiting ones may be admitted now
             rep.reprobe.set()
-        if rep.view.draining and rep.view.outstanding == 0:
-            self._finish(rep)
         self.changed()
 
     def outcome(self, rep: Replica, ok: bool, why: str = "") -> None:

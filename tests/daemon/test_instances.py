@@ -185,3 +185,44 @@ def test_an_agent_without_headers_holds_one_lease_whichever_instance_answers(tmp
              what="the other instance holds the same lease", interval=0.05)
         seen.append(here)
     assert seen[0] == 0 and all(x > 0 for x in seen[3:]), seen  # leased once the agent's calls are known continued
+
+
+def test_room_the_other_instance_frees_takes_our_queued_request_without_waiting_for_a_probe(
+        tmp_path: Path, procs, redis_url):
+    """`a`'s request fills the replica (it runs one at a time); `b`'s, arriving meanwhile, waits
+    in `b`'s queue, since `b` heard of `a`'s push. When `a`'s answer ends, `b` hears it and
+    places its request then, as one LB would on its own answer's end, not at its next probe
+    (30 s away here)."""
+    import threading
+
+    emu, url = start_emulator("--max-running", "1", "--speed", "0.5", name="emu-freed")
+    procs.append(emu)
+    cfg = tmp_path / "lb-freed.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "freed:"\n\n'
+                   f'[probes]\ninterval_s = 30.0\nearly_reprobe_s = 20.0\n\n'
+                   f'[[replicas]]\nurl = "{url}"\nengine = "sglang"\nmodels = ["m"]\n')
+    a, b = (start_lb(config=cfg, name=f"lb-freed-{n}") for n in "ab")
+    procs.extend([a.proc, b.proc])
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    try:
+        poll(lambda: dict(r.pubsub_numsub("freed:pushes")).get(b"freed:pushes") == 2, what="both instances subscribed")
+    finally:
+        r.close()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 40, "ignore_eos": True}
+    ended = {}
+
+    def ask(name: str, lb) -> None:
+        status, doc = http_json("POST", lb.url + "/v1/chat/completions", body, timeout=25)
+        assert status == 200, doc
+        ended[name] = time.monotonic()
+
+    first = threading.Thread(target=ask, args=("a", a))
+    first.start()
+    poll(lambda: engine_load(url)["num_reqs"] == 1, what="a's request running", interval=0.02)
+    time.sleep(0.3)  # the push's news reaches b
+    started = time.monotonic()
+    ask("b", b)
+    first.join()
+    assert ended["b"] > ended["a"]  # it waited for the room: the engine ran one at a time
+    assert ended["b"] - started < 15.0  # placed when a's answer ended, long before b's next probe
