@@ -265,6 +265,34 @@ def reasoning_calls(seed: int) -> Iterator[Timed]:
         yield Timed(d.at, Call(f"reason-{d.i}", "local", tokens, d.answer_tokens, user=f"reason-{d.i % 64}"))
 
 
+# Long and short prompts on one fleet: a chat service (4 system prompts of 300 tokens, a
+# 100-token question, 200-token answers) where one request in ten is a unique 6,000-token
+# document to summarize (300-token answers), Poisson arrivals. Synthetic, held out (added after
+# the policy was settled, thirty-sixth session): a long prompt's prefill takes a replica's steps
+# for seconds, and the chat requests that land behind it wait, the head-of-line blocking a
+# router can steer around or not.
+LONG_SHORT_CHAT = (4, 300, 100, 200)  # system prompts, their tokens, question tokens, answer tokens
+LONG_SHORT_DOC = (6000, 300)  # document tokens, answer tokens
+LONG_SHORT_DOC_SHARE = 0.1
+
+
+def long_short_calls(seed: int) -> Iterator[Timed]:
+    rng = rng_for(seed, "long-short")
+    systems, system_tokens, question_tokens, answer_tokens = LONG_SHORT_CHAT
+    doc_tokens, doc_answer = LONG_SHORT_DOC
+    t = 0.0
+    for i in itertools.count():
+        t += rng.expovariate(1.0)
+        if rng.random() < LONG_SHORT_DOC_SHARE:
+            start = (2 << 48) + (i << 16)  # a document of its own: no block shared with any other
+            yield Timed(t, Call(f"doc-{i}", "local", list(range(start, start + doc_tokens)), doc_answer,
+                                user=f"doc-{i % 32}"))
+        else:
+            k = rng.randrange(systems)
+            yield Timed(t, Call(f"chat-{i}", "local", prefixed_prompt(k, system_tokens, i, question_tokens),
+                                answer_tokens, user=f"chat-{i % 64}"))
+
+
 # -- the registry -------------------------------------------------------------------------
 TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
 
@@ -313,6 +341,10 @@ register(Workload("reasoning", "A reasoning model's traffic: short prompts (8 sy
                   "settled, decode-bound, 4 L4 replicas",
                   ONE_REGION, "replay", duration_s=600.0, quick_duration_s=300.0,  # an answer runs ~30-120 s
                   calls=reasoning_calls, natural_rps=lambda: 1.0))
+register(Workload("long-short", "A chat service (4 system prompts of 300 tokens, 100-token questions, 200-token "
+                  "answers) where one request in ten is a unique 6,000-token document to summarize (300-token "
+                  "answers), Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=long_short_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "
