@@ -71,7 +71,7 @@ from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecisio
                              holder_peer, lighter_peer, local_or_peer, may_lighten, peer_available, predicted_peer)
 from lb.core.policies import load
 from lb.core.pushing import (DEFAULT_DECODE_RESERVE, DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSEEN, DEFAULT_PUSH_CREDIT,
-                             holder_queue_open, is_available, push_tokens, record_push)
+                             OVERCOMMIT_QUEUE, holder_queue_open, is_available, push_tokens, record_push)
 from lb.core.prefix import BytesPerToken, prompt_bytes, request_chain, uncached_tokens
 from lb.core.queueing import QueueOrderBase
 from lb.core.types import Policy, Pushing, QueueEntry, ReplicaView, RequestFacts
@@ -175,6 +175,11 @@ class Placement:
     total_blocks: int = 0
     best_blocks: int = 0  # REPLICA: the longest prefix any candidate held (Decision.best_blocks)
     residency_blocked: tuple[str, ...] = ()  # available peers the request's residency tag ruled out
+
+
+def _queued(view: ReplicaView) -> int:
+    """Requests waiting in its engine as far as this LB knows: its last probe's and the pushes since."""
+    return view.pending + view.pushed_since_probe
 
 
 class _Pass:
@@ -405,7 +410,7 @@ class Scheduler:
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
             if not cands and queues and tries > 0:
                 tries -= 1
-                holder = self._holder_queue(entry, queues, now)
+                holder = self._holder_queue(entry, queues, now, p.targets)
                 if holder is not None:
                     out.append(self._place(entry, holder, now))
                     continue
@@ -432,7 +437,7 @@ class Scheduler:
                     holder = None
                     if queues and tries > 0:
                         tries -= 1
-                        holder = self._holder_queue(entry, queues, now)
+                        holder = self._holder_queue(entry, queues, now, p.targets)
                     if holder is not None:
                         out.append(self._place(entry, holder, now))
                         continue
@@ -471,11 +476,21 @@ class Scheduler:
         max_unseen = self.cfg.max_unseen
         return any(holder_queue_open(t.view, max_unseen) for t in queues.values())
 
-    def _holder_queue(self, entry: QueueEntry, queues: dict, now: float):
+    def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any: it
         goes into that engine's queue beside its prefix instead of waiting here for it (and
         losing it). The policy is asked with that one candidate, so the placement carries its
-        decision (prefix match, predicted TTFT) as any other does."""
+        decision (prefix match, predicted TTFT) as any other does.
+
+        Not while the holder's queue is more than OVERCOMMIT_QUEUE past twice the mean of the
+        other replicas' that could serve it (`targets`): then it waits here for any free one.
+        What the holder runs bounds its queue (`holder_queue_open`), and one replica holding a
+        prefix that many requests share (a chat service's system prompt beside long documents,
+        held-out `long-short` at 1.3x capacity in the simulator) queued ~90 of them, all it ran,
+        while the other three ran a fifth as much: 0.90x the requests an LB without holds
+        completed, and now 1.07x what it did (docs/results.md). Where every replica holds its
+        share of the prefixes (SGLang's shared-prefix benchmark) the queues stay alike and the
+        bound rarely binds."""
         max_unseen = self.cfg.max_unseen
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
                   if holder_queue_open(t.view, max_unseen) and self._may_go(entry, t.view) and i not in entry.exclude}
@@ -485,6 +500,10 @@ class Scheduler:
         if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
             return None
         target = usable[holders[0]]
+        rivals = [_queued(t.view) for t in targets if t is not target and t.view.healthy and not t.view.draining
+                  and self._may_go(entry, t.view)]
+        if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):
+            return None
         return target if self.policy.choose(entry.facts, [target.view], now) == target.view.id else None
 
     def _uncached(self, facts: RequestFacts) -> float:

@@ -76,3 +76,26 @@ def test_the_holders_queue_is_bounded_by_what_its_engine_runs():
     assert not holder_queue_open(v)  # an engine not seen to preempt: SP-P's gate alone
     v.overcommits, v.draining = True, True
     assert not holder_queue_open(v)
+
+
+def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
+    """What an engine runs bounds its queue, but one replica holding a prefix many requests
+    share (a chat service's system prompt) would then queue up to what it runs, ~90 on an L4,
+    while the others ran a fifth as much: its queue may be at most OVERCOMMIT_QUEUE past twice
+    the others' mean queue, beyond which the request waits in the LB for any free replica."""
+
+    def placed(others_waiting: int) -> list:
+        s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
+                      make_queue("fcfs"))
+        a, b, c = Rep("a"), Rep("b"), Rep("c")
+        s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
+        assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
+        a.view.pending, a.view.running, a.view.overcommits = 20, 40, True  # it runs 40: room for 20 more
+        b.view.pending = c.view.pending = others_waiting  # both full too: nothing is free
+        b.view.running = c.view.running = 10
+        for i in range(3):
+            s.admit(QueueEntry(child(f"c{i}"), enqueued_at=NOW, seq=i + 1), NOW)
+        return [p.entry.facts.request_id for p in s.schedule(NOW, [a, b, c]) if p.kind is Kind.REPLICA]
+
+    assert placed(others_waiting=1) == []  # 20 waiting there against 1: they wait in the LB
+    assert placed(others_waiting=8) == ["c0", "c1", "c2"]  # 20 against 8: within 8 past twice 8
