@@ -49,6 +49,17 @@ def outstanding(lb) -> int:
     return sum(r["outstanding"] for r in doc["replicas"])
 
 
+def both_subscribed(redis_url: str, prefix: str) -> None:
+    """Wait until both instances listen on the pushes channel (else the first pushes go unheard)."""
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    channel = f"{prefix}pushes"
+    try:
+        poll(lambda: dict(r.pubsub_numsub(channel)).get(channel.encode()) == 2, what="both instances subscribed")
+    finally:
+        r.close()
+
+
 def run_pair(tmp_path: Path, procs, redis_url: str, share: bool) -> tuple[int, int]:
     """(pushed by both instances, waiting in the engine) once every stream is pushed or queued."""
     emu, emu_url = start_emulator("--max-running", str(MAX_RUNNING), "--speed", "0.2", name=f"emu-{share}")
@@ -61,13 +72,7 @@ def run_pair(tmp_path: Path, procs, redis_url: str, share: bool) -> tuple[int, i
     pair = [start_lb(config=cfg, name=f"lb-{share}-{i}") for i in range(2)]
     procs.extend(lb.proc for lb in pair)
     if share:  # both subscribers listen before the first push
-        import redis
-        r = redis.Redis.from_url(redis_url)
-        try:
-            poll(lambda: dict(r.pubsub_numsub(f"pair-{share}:pushes")).get(f"pair-{share}:pushes".encode()) == 2,
-                 what="both instances subscribed")
-        finally:
-            r.close()
+        both_subscribed(redis_url, f"pair-{share}:")
     conns = []
     try:
         for i in range(STREAMS):
@@ -138,12 +143,7 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
                    + "".join(f'[[replicas]]\nurl = "{u}"\nengine = "sglang"\nmodels = ["m"]\n\n' for u in urls.values()))
     a, b = (start_lb(config=cfg, name=f"lb-turns-{n}") for n in "ab")
     procs.extend([a.proc, b.proc])
-    import redis
-    r = redis.Redis.from_url(redis_url)
-    try:
-        poll(lambda: dict(r.pubsub_numsub("turns:pushes")).get(b"turns:pushes") == 2, what="both instances subscribed")
-    finally:
-        r.close()
+    both_subscribed(redis_url, "turns:")
     holder, served_by, sizes = asyncio.run(asyncio.wait_for(conversation(a.url, urls, b.url), 60))
     access = [json.loads(x) for x in b.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
     second = access[-1]
@@ -166,12 +166,7 @@ def test_an_agent_without_headers_holds_one_lease_whichever_instance_answers(tmp
                    f'[pushing]\nlease_s = 60\n\n[[replicas]]\nurl = "{url}"\nengine = "sglang"\nmodels = ["m"]\n')
     pair = [start_lb(config=cfg, name=f"lb-agent-{n}") for n in "ab"]
     procs.extend(lb.proc for lb in pair)
-    import redis
-    r = redis.Redis.from_url(redis_url)
-    try:
-        poll(lambda: dict(r.pubsub_numsub("agent:pushes")).get(b"agent:pushes") == 2, what="both instances subscribed")
-    finally:
-        r.close()
+    both_subscribed(redis_url, "agent:")
     clients = [openai.OpenAI(base_url=lb.url + "/v1", api_key="unused", max_retries=0) for lb in pair]
     messages = [{"role": "system", "content": "You are a coding agent. Tools: read, edit, run. " * 30},
                 {"role": "user", "content": "Fix the failing test in parser.py. " * 8}]
@@ -203,12 +198,7 @@ def test_room_the_other_instance_frees_takes_our_queued_request_without_waiting_
                    f'[[replicas]]\nurl = "{url}"\nengine = "sglang"\nmodels = ["m"]\n')
     a, b = (start_lb(config=cfg, name=f"lb-freed-{n}") for n in "ab")
     procs.extend([a.proc, b.proc])
-    import redis
-    r = redis.Redis.from_url(redis_url)
-    try:
-        poll(lambda: dict(r.pubsub_numsub("freed:pushes")).get(b"freed:pushes") == 2, what="both instances subscribed")
-    finally:
-        r.close()
+    both_subscribed(redis_url, "freed:")
     body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 40, "ignore_eos": True}
     ended = {}
 
