@@ -29,7 +29,6 @@ def note_remote_push(view: ReplicaView, log: deque, pushed_at: float, tokens: in
     log.append((pushed_at, tokens, key, prefill))
     while len(log) > MAX_REMOTE_LOG:
         log.popleft()
-    view.others_outstanding = len(log)
     if probe_started_at is None or pushed_at > probe_started_at:
         _count(view, 1, tokens, prefill)
 
@@ -43,7 +42,6 @@ def note_remote_end(view: ReplicaView, log: deque, key: str, probe_started_at: f
         pushed_at, tokens, k, prefill = log[i]
         if k == key:
             del log[i]
-            view.others_outstanding = len(log)
             if probe_started_at is None or pushed_at > probe_started_at:
                 _count(view, -1, -tokens, -prefill)
             return True

@@ -500,8 +500,8 @@ class Scheduler:
         if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
             return None
         target = usable[holders[0]]
-        rivals = [_queued(t.view) for t in targets if t is not target and t.view.healthy and not t.view.draining
-                  and self._may_go(entry, t.view)]
+        live = self._live(entry, targets)
+        rivals = [_queued(t.view) for t in targets if t is not target and t.view.id in live]
         if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):
             return None
         return target if self.policy.choose(entry.facts, [target.view], now) == target.view.id else None

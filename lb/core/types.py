@@ -83,12 +83,12 @@ class ReplicaView:
     # prompt tokens those would not find cached there (their own prefill work ahead)
     remote_since_probe: int = 0
     remote_prefill_since_probe: float = 0.0
-    # the other instances' pushes to it not answered yet, as heard: the engine's own counts hold
-    # them beside ours, so they are not ours on the wire (lb.core.pushing.settle_probe)
-    others_outstanding: int = 0
     # (when, KV tokens) of recent pushes still in flight: what a probe may not have seen yet
     # (lb.core.pushing.record_push / settle_probe keep it; bounded by `outstanding`).
     push_log: deque = field(default_factory=deque, repr=False, compare=False)
+    # the other LB instances' pushes to it not answered yet, as heard (lb.core.instances: bounded,
+    # old ones dropped); the engine's own counts hold them beside ours (lb.core.pushing.settle_probe)
+    remote_log: deque = field(default_factory=deque, repr=False, compare=False)
 
     def serves(self, model: str) -> bool:
         """A request naming no model (SGLang's /generate) takes any replica's own model."""

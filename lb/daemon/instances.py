@@ -23,7 +23,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import defaultdict, deque
 
 import orjson
 
@@ -48,7 +47,6 @@ class SharedPushes:
         self.policy = dispatcher.policy
         self.leases = dispatcher.scheduler.leases  # the interactions' leases and how calls continue
         self.queue = dispatcher.scheduler.queue  # the rank each interaction keeps there
-        self.logs: dict[str, deque] = defaultdict(deque)  # replica id -> the others' pushes (wall time, tokens)
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
         self.dropped = 0
@@ -57,7 +55,7 @@ class SharedPushes:
         self.redis = None
         dispatcher.on_dispatch.append(self.pushed)
         dispatcher.on_complete.append(self.answered)
-        registry.on_gone(lambda rep: (self.logs.pop(rep.id, None), self.probe_started.pop(rep.id, None)))
+        registry.on_gone(lambda rep: self.probe_started.pop(rep.id, None))
         prober.on_probe.append(self.probed)
 
     async def start(self) -> None:
@@ -106,12 +104,11 @@ class SharedPushes:
         add the others' pushes this probe cannot include."""
         started = time.time() - (time.monotonic() - started_mono)
         self.probe_started[rep.id] = started
-        n, tokens, prefill = remote_unseen(self.logs[rep.id], started) if rep.id in self.logs else (0, 0, 0.0)
+        n, tokens, prefill = remote_unseen(rep.view.remote_log, started)
         rep.view.pushed_since_probe += n
         rep.view.pushed_tokens_since_probe += tokens
         rep.view.remote_since_probe = n
         rep.view.remote_prefill_since_probe = prefill
-        rep.view.others_outstanding = len(self.logs[rep.id]) if rep.id in self.logs else 0  # old ones dropped
 
     async def _send(self) -> None:
         while True:
@@ -154,7 +151,7 @@ class SharedPushes:
         if rep is None:
             return
         self.received += 1
-        log, probe_started = self.logs[rep.id], self.probe_started.get(rep.id)
+        log, probe_started = rep.view.remote_log, self.probe_started.get(rep.id)
         mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
         if isinstance(heard, HeardEnd):
             known = note_remote_end(rep.view, log, heard.key, probe_started)

@@ -118,7 +118,7 @@ class Prober:
         view = rep.view
         outstanding_at_start = view.outstanding
         answering_at_start = self.registry.answering(rep.id)
-        others_at_start = view.others_outstanding  # the other instances' (lb.daemon.instances)
+        others_at_start = len(view.remote_log)  # the other instances' pushes not answered (lb.daemon.instances)
         load: EngineLoad | None = None
         ok = False
         found: Detected | None = None

@@ -189,15 +189,15 @@ def test_a_probe_counts_our_pushes_on_the_wire_though_the_engine_also_runs_anoth
     from lb.core.pushing import record_push, settle_probe
 
     view = ReplicaView(id="r", url="", healthy=True, kv_free_tokens=10**6)
-    log: deque = deque()
+    log = view.remote_log
     for i in range(4):  # the other instance's four, long running there
         note_remote_push(view, log, 90.0 + i, 100, probe_started_at=None, key=f"b{i}")
-    assert view.others_outstanding == 4
+    assert len(view.remote_log) == 4
     for i in range(3):  # ours: one the engine runs, two still on their way
         record_push(view, 200, 1.0 + i * 0.1)
     # the engine holds five: the other instance's four and one of ours
     settle_probe(view, 3.0, view.outstanding, load_pending=0, load_running=5, early_reprobe_s=0.002,
-                 others_at_start=view.others_outstanding)
+                 others_at_start=len(view.remote_log))
     assert view.pushed_since_probe == 2 and view.pushed_tokens_since_probe == 400
     # one LB alone (no other instance heard): the same counts say the same as before
     alone = ReplicaView(id="s", url="", healthy=True, kv_free_tokens=10**6)
@@ -208,4 +208,4 @@ def test_a_probe_counts_our_pushes_on_the_wire_though_the_engine_also_runs_anoth
     # the other instance's answers end: it no longer counts them there
     for i in range(4):
         assert note_remote_end(view, log, f"b{i}", 99.0)
-    assert view.others_outstanding == 0
+    assert not view.remote_log
