@@ -57,6 +57,9 @@ class FleetSpec:
     profile: str = "l4-llama3-8b"
     slow_factor: float = 2.0
     latency_ms: dict = field(default_factory=dict)  # "a-b" -> one-way ms, either order
+    # None: every replica serves from the start. Else each region's last replica joins at this
+    # virtual second (a scale-out landing at a busy fleet: `sim-compare --join-at`), cold.
+    join_at_s: float | None = None
 
     def one_way(self, a: str, b: str) -> float:
         if a == b:
@@ -147,8 +150,11 @@ class PeerFront:
 
     def add_replica(self, rep: SimReplica) -> None:
         self.replicas[rep.id] = rep
-        self.order.append(rep.id)
         self.inflight[rep.id] = 0
+        if rep.ready_at > self.loop.now:  # a worker joining later: added when it is ready
+            self.loop.at(rep.ready_at, rep.became_ready)
+        else:
+            self.order.append(rep.id)
 
     def arrive(self, req: SimRequest, call: Call) -> None:
         now = self.loop.now
@@ -171,7 +177,7 @@ class PeerFront:
         return True  # probes change nothing here (no queue, no pushing gate); kept as before
 
     def replica_ready(self, rep: SimReplica) -> None:
-        pass
+        self.order.append(rep.id)  # the router's worker list grows (a ring is rebuilt on its next choice)
 
     def replica_stopped(self, rep: SimReplica) -> None:
         pass
@@ -254,8 +260,9 @@ class Arena:
                 n += 1
                 profile = slowed(self.profile, fleet.slow_factor) if k < region.slow_replicas else self.profile
                 front = self.fronts[region.name]
+                joins = fleet.join_at_s is not None and k == region.replicas - 1
                 rep = SimReplica(f"{region.name}/{n}", region.name, profile.model, profile, self.loop, front,
-                                 seed=seed * 1000 + n, ready_at=0.0, requested_at=0.0)
+                                 seed=seed * 1000 + n, ready_at=fleet.join_at_s if joins else 0.0, requested_at=0.0)
                 front.add_replica(rep)
                 self.replicas.append(rep)
         self.model = self.profile.model

@@ -19,6 +19,7 @@ to the best peer), DIR/ttft_cdf.png and DIR/throughput.png; `--sweep` runs loads
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -62,8 +63,11 @@ def chosen_systems(spec: str | None) -> list[str]:
 
 
 def make_arena(workload: str, system: str, seed: int, fleet: FleetSpec | None = None, *, stream: bool = True,
-               lb_cfg: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True) -> Arena:
+               lb_cfg: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True,
+               join_at_s: float | None = None) -> Arena:
     fleet = fleet or get(workload).fleet
+    if join_at_s is not None:
+        fleet = dataclasses.replace(fleet, join_at_s=join_at_s)
     client = {"stream": stream, "max_tokens": max_tokens, "headers": headers}
     if lb_cfg is not None:
         return Arena(fleet, system, seed=seed, lb_cfg=lb_cfg, **client)
@@ -89,15 +93,15 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
 
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers]]]]);
+    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers[, join_at_s]]]]]);
     `lb_cfg` (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is
     what the clients declare (bench.workloads.base.EXACT); `headers` False: clients send no lb
-    header (`Arena.headers`)."""
+    header (`Arena.headers`); `join_at_s`: each region's last replica joins then (`FleetSpec.join_at_s`)."""
     workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
                        lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT,
-                       headers=rest[3] if len(rest) > 3 else True)
+                       headers=rest[3] if len(rest) > 3 else True, join_at_s=rest[4] if len(rest) > 4 else None)
     driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
@@ -169,13 +173,14 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: l
 
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
              workers: int, out: Path, stream: bool = True, names: list[str] | None = None,
-             lb_file: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True) -> dict:
+             lb_file: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True,
+             join_at_s: float | None = None) -> dict:
     """Every system of `names` (default all) on the same arrivals, and with `lb_file` lb with
     those settings as `LB_FROM_FILE`."""
     rate = load * capacity
     names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
     jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None,
-             max_tokens, headers) for seed in range(seeds) for system in names]
+             max_tokens, headers, join_at_s) for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -184,7 +189,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
         runs = list(map(run_one, jobs))
     summary = summarize(workload, seeds, runs, {
         "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s, "stream": stream,
-        "max_tokens": max_tokens, "headers": headers,
+        "max_tokens": max_tokens, "headers": headers, "join_at_s": join_at_s,
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
@@ -245,6 +250,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the workload on a fleet K times larger (every region's replicas K times over; "
                              "capacity measured on that fleet, so --load keeps its meaning); also written "
                              "WORKLOAD*K")
+    parser.add_argument("--join-at", type=float, metavar="S",
+                        help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "
+                             "(capacity is still the whole fleet's, so the others run past theirs until then); "
+                             "a router that keeps prefixes on the replicas that hold them may leave the new one idle")
     parser.add_argument("--lb-config", metavar="FILE",
                         help=f"also run lb with this daemon config file (its [routing], [pushing], [queue], "
                              f"[probes], [affinity] and [peering] settings) as the system '{LB_FROM_FILE}': "
@@ -287,6 +296,11 @@ def run(args: argparse.Namespace) -> int:
         workload.quick_duration_s if args.quick else workload.duration_s)
     if duration <= 0:
         raise SystemExit("--duration must be > 0 (virtual seconds, e.g. 1500)")
+    join_at = getattr(args, "join_at", None)
+    if join_at is not None and not 0 < join_at < duration:
+        raise SystemExit(f"--join-at must be inside the run (0 < S < {duration:g} virtual seconds), got {join_at:g}")
+    if join_at is not None and any(r.replicas < 2 for r in workload.fleet.regions):
+        raise SystemExit(f"--join-at: {name} has a region of one replica; nothing would serve before the join")
     try:
         max_tokens = check_max_tokens(getattr(args, "max_tokens", EXACT))
     except ValueError as exc:
@@ -310,13 +324,14 @@ def run(args: argparse.Namespace) -> int:
         summaries[load] = run_load(name, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
                                    workers=args.workers, out=where, stream=not args.no_stream, names=names,
                                    lb_file=lb_file, max_tokens=max_tokens,
-                                   headers=not getattr(args, "no_session_headers", False))
+                                   headers=not getattr(args, "no_session_headers", False), join_at_s=join_at)
         from bench.sim.compare_report import table
 
         print(f"\n{name}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
               + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else "")
               + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else "")
-              + (" (clients send no lb headers)" if getattr(args, "no_session_headers", False) else ""))
+              + (" (clients send no lb headers)" if getattr(args, "no_session_headers", False) else "")
+              + (f" (each region's last replica joins at {join_at:g} s)" if join_at is not None else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot

@@ -682,3 +682,35 @@ def test_clients_without_lb_headers_reach_lb_as_third_party_clients_and_their_st
         shares[headers] = {u: scheduler.leases.continuations.share(u) for u in {d.req.facts.user for d in arena.done}}
     assert set(shares[True].values()) == {0.0}  # declared: nothing to recognize
     assert sorted(shares[False].values())[len(shares[False]) // 2] > 0.6  # most clients' steps continue
+
+
+@pytest.mark.parametrize("system", ["lb", "nginx hash-session", "sglang-router cache_aware"])
+def test_a_replica_joining_a_busy_fleet_serves_nothing_before_it_joins_and_its_share_after(system):
+    """`--join-at S`: each region's last replica is ready only at S (a scale-out landing on a
+    loaded fleet, its cache cold). Before S it is given nothing; after it, lb and the peers'
+    worker lists take it in, and it serves about a replica's share of what is sent then."""
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import get
+
+    arena = make_arena("shared-prefix", system, seed=1, join_at_s=40.0)
+    joiner = arena.replicas[-1]
+    assert joiner.id == "local/4" and joiner.ready_at == 40.0
+    assert all(r.ready_at == 0.0 for r in arena.replicas[:-1])
+    get("shared-prefix").drive(arena, seed=1, rate_rps=3.0, stop_at=120.0)  # past 3 replicas' capacity
+    arena.loop.run(120.0)
+    on_joiner = [d for d in arena.done if d.req.served_by == joiner.id]
+    assert on_joiner and min(d.sent_at + d.ttft for d in on_joiner) >= 40.0
+    after = [d for d in arena.done if d.sent_at >= 60.0]
+    assert len([d for d in after if d.req.served_by == joiner.id]) > 0.15 * len(after)
+
+
+def test_join_at_must_fall_inside_the_run_on_a_fleet_that_serves_before_it(tmp_path):
+    from bench.sim import compare
+
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0,
+                                      systems="lb", lb_config=None, join_at=30.0)
+    with pytest.raises(SystemExit, match=r"--join-at must be inside the run \(0 < S < 12"):
+        compare.run(args)
+    with pytest.raises(SystemExit, match="--join-at must be inside the run"):
+        compare.run(compare.argparse.Namespace(**{**vars(args), "join_at": 0.0}))
