@@ -37,6 +37,7 @@ def replica_stats(arena: Arena, waiting: WaitingSampler, skip: float = 0.0) -> l
         running = waiting.running[i][int(len(waiting.running[i]) * skip):]
         out.append({
             "replica": rep.id, "requests": c.requests,
+            "busy_s": rep.busy_s,  # engine time spent in steps: work done, whatever the requests' sizes
             "waiting_mean": sum(w) / len(w) if w else 0.0, "waiting_max": max(w, default=0),
             "running_mean": sum(running) / len(running) if running else 0.0,
             "preemptions": c.preemptions, "evicted_tokens": c.evicted_tokens,
