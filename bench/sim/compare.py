@@ -140,8 +140,22 @@ def run_one(args: tuple) -> dict:
         "sent": arena.sent,
         "ttft": ttft.round(4).tolist(),
         "replicas": replica_stats(arena, waiting),
+        "joined_busy": joined_busy(arena, duration_s),
         "wall_s": time.perf_counter() - wall,
     }
+
+
+def joined_busy(arena: Arena, duration_s: float) -> float | None:
+    """With `--join-at`: the joining replicas' share of time in engine steps after they joined,
+    over the other replicas' over the run (1.0: as busy as the rest from the moment they
+    joined). Busy time, not requests: a replica that takes the long prompts answers fewer."""
+    late = [r for r in arena.replicas if r.ready_at > 0]
+    early = [r for r in arena.replicas if r.ready_at <= 0]
+    if not late or not early or late[0].ready_at >= duration_s:
+        return None
+    joined = sum(r.busy_s for r in late) / len(late) / (duration_s - late[0].ready_at)
+    rest = sum(r.busy_s for r in early) / len(early) / duration_s
+    return joined / rest if rest else None
 
 
 def median_ci(values: list[float], seed: int = 0) -> dict:
@@ -154,7 +168,7 @@ def median_ci(values: list[float], seed: int = 0) -> dict:
 
 
 METRICS = ("throughput_rps", "served_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p90_waited_s", "tenant_p90_median_s",
-           "tenant_p90_worst_s", "programs_rps", "e2e_p50_s", "cached_ratio")
+           "tenant_p90_worst_s", "programs_rps", "e2e_p50_s", "cached_ratio", "joined_busy")
 
 
 def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: list[str] | None = None) -> dict:

@@ -81,6 +81,12 @@ def table(summary: dict) -> str:
                     f"{_fmt(s['ttft_p90_s'], 1000, 0)} | {_fmt(s.get(WAITED), 1000, 0)} | "
                     f"{_fmt(s.get(TENANT_MEDIAN), 1000, 0)} / {_fmt(s.get(TENANT_WORST), 1000, 0)} | {_fmt(s['e2e_p50_s'])} | "
                     f"{s['cached_ratio']['median']:.2f} | {s['cut_at_deadline']} |")
+    joined = {name: s["joined_busy"]["median"] for name, s in summary["systems"].items()
+              if (s.get("joined_busy") or {}).get("median") is not None}
+    if joined:
+        rows.append("")
+        rows.append("the joining replicas' busy share after they joined over the others' (1.0: as busy at once): "
+                    + ", ".join(f"{name} {v:.2f}" for name, v in joined.items()))
     peer = best_peer(summary)
     ours = summary["systems"].get(LB)
     if peer and ours:

@@ -689,6 +689,7 @@ def test_a_replica_joining_a_busy_fleet_serves_nothing_before_it_joins_and_its_s
     """`--join-at S`: each region's last replica is ready only at S (a scale-out landing on a
     loaded fleet, its cache cold). Before S it is given nothing; after it, lb and the peers'
     worker lists take it in, and it serves about a replica's share of what is sent then."""
+    from bench.sim import compare
     from bench.sim.compare import make_arena
     from bench.sim.workloads_sim import get
 
@@ -702,6 +703,9 @@ def test_a_replica_joining_a_busy_fleet_serves_nothing_before_it_joins_and_its_s
     assert on_joiner and min(d.sent_at + d.ttft for d in on_joiner) >= 40.0
     after = [d for d in arena.done if d.sent_at >= 60.0]
     assert len([d for d in after if d.req.served_by == joiner.id]) > 0.15 * len(after)
+    busy = compare.joined_busy(arena, 120.0)
+    assert 0.5 < busy < 1.5  # worked about as hard as the others once it was there
+    assert compare.joined_busy(make_arena("shared-prefix", system, seed=1), 120.0) is None  # nobody joins
 
 
 def test_join_at_must_fall_inside_the_run_on_a_fleet_that_serves_before_it(tmp_path):
