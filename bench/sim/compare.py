@@ -149,11 +149,14 @@ def joined_busy(arena: Arena, duration_s: float) -> float | None:
     """With `--join-at`: the joining replicas' share of time in engine steps after they joined,
     over the other replicas' over the run (1.0: as busy as the rest from the moment they
     joined). Busy time, not requests: a replica that takes the long prompts answers fewer."""
-    late = [r for r in arena.replicas if r.ready_at > 0]
-    early = [r for r in arena.replicas if r.ready_at <= 0]
-    if not late or not early or late[0].ready_at >= duration_s:
+    at = arena.fleet.join_at_s
+    if at is None or at >= duration_s:
         return None
-    joined = sum(r.busy_s for r in late) / len(late) / (duration_s - late[0].ready_at)
+    late = [r for r in arena.replicas if r.ready_at == at]
+    early = [r for r in arena.replicas if r.ready_at < at]
+    if not late or not early:
+        return None
+    joined = sum(r.busy_s for r in late) / len(late) / (duration_s - at)
     rest = sum(r.busy_s for r in early) / len(early) / duration_s
     return joined / rest if rest else None
 
@@ -267,7 +270,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-at", type=float, metavar="S",
                         help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "
                              "(capacity is still the whole fleet's, so the others run past theirs until then); "
-                             "a router that keeps prefixes on the replicas that hold them may leave the new one idle")
+                             "the table is followed by how busy the new replicas were once there")
     parser.add_argument("--lb-config", metavar="FILE",
                         help=f"also run lb with this daemon config file (its [routing], [pushing], [queue], "
                              f"[probes], [affinity] and [peering] settings) as the system '{LB_FROM_FILE}': "
