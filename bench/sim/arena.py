@@ -346,13 +346,17 @@ class Arena:
                 out.setdefault(user, []).append(t)
         return out
 
-    def _waits(self, since: float) -> Iterator[tuple[str | None, float]]:
+    def waited_between(self, since: float, until: float) -> list[float]:
+        """`waited` for the requests sent in [since, until)."""
+        return [t for _, t in self._waits(since, until)]
+
+    def _waits(self, since: float, until: float = math.inf) -> Iterator[tuple[str | None, float]]:
         now = self.loop.now
         for d in self.done:
-            if d.sent_at >= since:
+            if since <= d.sent_at < until:
                 yield d.req.facts.user, d.ttft
         for rid, (call, sent, _) in self.callbacks.items():
-            if sent >= since:
+            if since <= sent < until:
                 req = self.arrived.get(rid)
                 first = req.first_token if req is not None else None
                 yield call.user, now - sent if first is None else first - sent

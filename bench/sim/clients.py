@@ -136,21 +136,59 @@ class Programs:
     def _client_loop(self, client: int, index: int, region: str) -> None:
         self.start_program(client, index, region, lambda: self._client_loop(client, index + 1, region))
 
-    def arrivals(self, rate_per_region: dict[str, float], seed: int) -> None:
-        """New programs as Poisson arrivals at `rate` per second in each region."""
+    def arrivals(self, rate_per_region: dict[str, float], seed: int, surge: "Surge | None" = None) -> None:
+        """New programs as Poisson arrivals at `rate` per second in each region (times `surge`'s
+        factor inside its window: the same draws, their times warped)."""
         rng = random.Random(f"{seed}/program-arrivals")
         counter = iter(range(1 << 40))
         loop = self.arena.loop
+        warp = surge.warp if surge is not None else (lambda u: u)
 
-        def arrive(region: str, rate: float) -> None:
+        def arrive(region: str, rate: float, u: float) -> None:
             if loop.now >= self.stop_at:
                 return
             self.start_program(next(counter), 0, region)
-            loop.after(rng.expovariate(rate), arrive, region, rate)
+            u += rng.expovariate(rate)
+            loop.at(warp(u), arrive, region, rate, u)
 
         for region, rate in rate_per_region.items():
             if rate > 0:
-                loop.after(rng.expovariate(rate), arrive, region, rate)
+                u = rng.expovariate(rate)
+                loop.at(warp(u), arrive, region, rate, u)
+
+
+@dataclass(frozen=True)
+class Surge:
+    """Offered load `factor` times the run's from `start_s` to `end_s` (virtual seconds), as
+    traffic does when a launch or an outage elsewhere lands on the fleet: arrivals drawn at the
+    run's rate keep their order and draws, and their times inside the window are compressed
+    by `factor` (later ones shifted back accordingly), so every system sees the same ones."""
+    start_s: float
+    end_s: float
+    factor: float
+
+    @classmethod
+    def parse(cls, spec: str) -> "Surge":
+        parts = spec.split(":")
+        try:
+            start, end, factor = (float(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"{spec!r}: expected START:END:FACTOR in virtual seconds and a multiple of the "
+                             "offered load, e.g. 100:200:1.5") from None
+        if not 0 <= start < end:
+            raise ValueError(f"{spec!r}: the window must have 0 <= START < END")
+        if not factor > 0:
+            raise ValueError(f"{spec!r}: FACTOR must be > 0 (1.5: half again the offered load)")
+        return cls(start, end, factor)
+
+    def warp(self, u: float) -> float:
+        """The virtual time of an arrival drawn at time `u` on the run's own rate."""
+        if u <= self.start_s:
+            return u
+        inside = (self.end_s - self.start_s) * self.factor  # the run-rate time the window takes in
+        if u < self.start_s + inside:
+            return self.start_s + (u - self.start_s) / self.factor
+        return u - inside + (self.end_s - self.start_s)
 
 
 @dataclass

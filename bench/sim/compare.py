@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.sim.arena import Arena, FleetSpec, as_records, lb_config
+from bench.sim.clients import Surge
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
@@ -93,16 +94,18 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
 
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers[, join_at_s]]]]]);
+    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers[, join_at_s[, surge]]]]]]);
     `lb_cfg` (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is
     what the clients declare (bench.workloads.base.EXACT); `headers` False: clients send no lb
-    header (`Arena.headers`); `join_at_s`: each region's last replica joins then (`FleetSpec.join_at_s`)."""
+    header (`Arena.headers`); `join_at_s`: each region's last replica joins then (`FleetSpec.join_at_s`);
+    `surge`: a `bench.sim.clients.Surge` of the offered load."""
     workload, system, seed, rate_rps, duration_s, *rest = args
     wall = time.perf_counter()
     arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
                        lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT,
                        headers=rest[3] if len(rest) > 3 else True, join_at_s=rest[4] if len(rest) > 4 else None)
-    driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s)
+    surge = rest[5] if len(rest) > 5 else None
+    driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s, surge=surge)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
     # Steady state only: completions inside [warm, end] for throughput (as capacity is
@@ -141,6 +144,7 @@ def run_one(args: tuple) -> dict:
         "ttft": ttft.round(4).tolist(),
         "replicas": replica_stats(arena, waiting),
         "joined_busy": joined_busy(arena, duration_s),
+        **surge_p90s(arena, surge, duration_s),
         "wall_s": time.perf_counter() - wall,
     }
 
@@ -161,6 +165,21 @@ def joined_busy(arena: Arena, duration_s: float) -> float | None:
     return joined / rest if rest else None
 
 
+def surge_p90s(arena: Arena, surge: Surge | None, duration_s: float) -> dict:
+    """With `--surge`: the TTFT p90 (the requests still waiting at the end counted at what
+    they waited, as `ttft_p90_waited_s`) of the requests sent during the surge, and of those
+    sent in as long a window right after it: how far a system lets the surge's queue reach
+    the traffic that follows."""
+    if surge is None:
+        return {}
+    after_end = min(duration_s, surge.end_s + (surge.end_s - surge.start_s))
+    out = {}
+    for key, (since, until) in (("surge_p90_s", (surge.start_s, surge.end_s)), ("after_surge_p90_s", (surge.end_s, after_end))):
+        waited = arena.waited_between(since, until)
+        out[key] = float(np.percentile(waited, 90)) if waited else None
+    return out
+
+
 def median_ci(values: list[float], seed: int = 0) -> dict:
     vals = np.array([v for v in values if v is not None], dtype=float)
     if not len(vals):
@@ -171,7 +190,8 @@ def median_ci(values: list[float], seed: int = 0) -> dict:
 
 
 METRICS = ("throughput_rps", "served_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p90_waited_s", "tenant_p90_median_s",
-           "tenant_p90_worst_s", "programs_rps", "e2e_p50_s", "cached_ratio", "joined_busy")
+           "tenant_p90_worst_s", "programs_rps", "e2e_p50_s", "cached_ratio", "joined_busy", "surge_p90_s",
+           "after_surge_p90_s")
 
 
 def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: list[str] | None = None) -> dict:
@@ -180,7 +200,7 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: l
         mine = [r for r in runs if r["system"] == system]
         if not mine:
             continue
-        entry = {m: median_ci([r[m] for r in mine]) for m in METRICS}
+        entry = {m: median_ci([r.get(m) for r in mine]) for m in METRICS}
         entry["errors"] = sum(r["errors"] for r in mine)
         entry["cut_at_deadline"] = sum(r["cut_at_deadline"] for r in mine)
         out["systems"][system] = entry
@@ -191,13 +211,13 @@ def summarize(workload: str, seeds: int, runs: list[dict], extra: dict, names: l
 def run_load(workload: str, *, seeds: int, load: float, capacity: float, duration_s: float,
              workers: int, out: Path, stream: bool = True, names: list[str] | None = None,
              lb_file: LBConfig | None = None, max_tokens: str | int = EXACT, headers: bool = True,
-             join_at_s: float | None = None) -> dict:
+             join_at_s: float | None = None, surge: Surge | None = None) -> dict:
     """Every system of `names` (default all) on the same arrivals, and with `lb_file` lb with
     those settings as `LB_FROM_FILE`."""
     rate = load * capacity
     names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
     jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None,
-             max_tokens, headers, join_at_s) for seed in range(seeds) for system in names]
+             max_tokens, headers, join_at_s, surge) for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -207,6 +227,7 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
     summary = summarize(workload, seeds, runs, {
         "load": load, "capacity_rps": capacity, "offered_rps": rate, "duration_s": duration_s, "stream": stream,
         "max_tokens": max_tokens, "headers": headers, "join_at_s": join_at_s,
+        "surge": None if surge is None else dataclasses.asdict(surge),
         "ci": "median of per-seed values; 95 % percentile bootstrap of the median over seeds",
         "counts": "errors and cut_at_deadline are totals over all seeds",
         "wall_s": time.perf_counter() - wall,
@@ -271,6 +292,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "
                              "(capacity is still the whole fleet's, so the others run past theirs until then); "
                              "the table is followed by how busy the new replicas were once there")
+    parser.add_argument("--surge", metavar="START:END:FACTOR",
+                        help="offer FACTOR times --load's rate from START to END virtual seconds (a launch, or "
+                             "another region's outage landing here), the same arrivals for every system; the table "
+                             "is followed by each system's TTFT p90 for the requests sent during the surge and in "
+                             "as long a window after it")
     parser.add_argument("--lb-config", metavar="FILE",
                         help=f"also run lb with this daemon config file (its [routing], [pushing], [queue], "
                              f"[probes], [affinity] and [peering] settings) as the system '{LB_FROM_FILE}': "
@@ -318,6 +344,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--join-at must be inside the run (0 < S < {duration:g} virtual seconds), got {join_at:g}")
     if join_at is not None and any(r.replicas < 2 for r in workload.fleet.regions):
         raise SystemExit(f"--join-at: {name} has a region of one replica; nothing would serve before the join")
+    surge = None
+    if getattr(args, "surge", None):
+        try:
+            surge = Surge.parse(args.surge)
+        except ValueError as exc:
+            raise SystemExit(f"--surge {exc}") from None
+        if surge.end_s > duration:
+            raise SystemExit(f"--surge {args.surge!r}: the window must end inside the run (END <= {duration:g} "
+                             "virtual seconds)")
     try:
         max_tokens = check_max_tokens(getattr(args, "max_tokens", EXACT))
     except ValueError as exc:
@@ -341,14 +376,15 @@ def run(args: argparse.Namespace) -> int:
         summaries[load] = run_load(name, seeds=seeds, load=load, capacity=capacity, duration_s=duration,
                                    workers=args.workers, out=where, stream=not args.no_stream, names=names,
                                    lb_file=lb_file, max_tokens=max_tokens,
-                                   headers=not getattr(args, "no_session_headers", False), join_at_s=join_at)
+                                   headers=not getattr(args, "no_session_headers", False), join_at_s=join_at, surge=surge)
         from bench.sim.compare_report import table
 
         print(f"\n{name}: load {load:g} x capacity {capacity:.2f} req/s, {seeds} seeds, {duration:g} s each"
               + (" (clients not streaming: TTFT is the engine's first token)" if args.no_stream else "")
               + (f" (clients declare max_tokens {max_tokens})" if max_tokens != EXACT else "")
               + (" (clients send no lb headers)" if getattr(args, "no_session_headers", False) else "")
-              + (f" (each region's last replica joins at {join_at:g} s)" if join_at is not None else ""))
+              + (f" (each region's last replica joins at {join_at:g} s)" if join_at is not None else "")
+              + (f" (offered x{surge.factor:g} from {surge.start_s:g} to {surge.end_s:g} s)" if surge else ""))
         print(table(summaries[load]))
     if args.sweep:
         from bench.sim.compare_report import sweep_plot

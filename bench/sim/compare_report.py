@@ -87,6 +87,13 @@ def table(summary: dict) -> str:
         rows.append("")
         rows.append("the joining replicas' busy share after they joined over the others' (1.0: as busy at once): "
                     + ", ".join(f"{name} {v:.2f}" for name, v in joined.items()))
+    surged = {name: (s["surge_p90_s"], s["after_surge_p90_s"]) for name, s in summary["systems"].items()
+              if (s.get("surge_p90_s") or {}).get("median") is not None}
+    if surged:
+        rows.append("")
+        rows.append("TTFT p90 ms, unanswered too, of the requests sent during the surge / in as long a window after it: "
+                    + ", ".join(f"{name} {_fmt(during, 1000, 0)} / {_fmt(after, 1000, 0)}"
+                                for name, (during, after) in surged.items()))
     peer = best_peer(summary)
     ours = summary["systems"].get(LB)
     if peer and ours:

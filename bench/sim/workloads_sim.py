@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from bench import traces
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
-from bench.sim.clients import Programs, Replay, Timed
+from bench.sim.clients import Programs, Replay, Surge, Timed
 from bench.workloads import make_workload
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
@@ -55,17 +55,21 @@ class Workload:
         params = dict(self.program)
         return make_workload(params.pop("workload"), seed=seed, **params)
 
-    def drive(self, arena: Arena, *, seed: int, rate_rps: float, stop_at: float) -> object:
-        """Offer `rate_rps` requests per second to `arena` until `stop_at`."""
+    def drive(self, arena: Arena, *, seed: int, rate_rps: float, stop_at: float, surge: Surge | None = None) -> object:
+        """Offer `rate_rps` requests per second to `arena` until `stop_at` (`surge`'s factor times
+        that inside its window)."""
         fleet = self.fleet
         total = sum(r.weight for r in fleet.regions)
         if self.kind == "programs":
             programs = Programs(arena, self.make_program_workload(seed), stop_at=stop_at)
             per_program = rate_rps / self.requests_per_program
-            programs.arrivals({r.name: per_program * r.weight / total for r in fleet.regions}, seed)
+            programs.arrivals({r.name: per_program * r.weight / total for r in fleet.regions}, seed, surge)
             return programs
         scale = self.natural_rps() / rate_rps  # trace seconds per simulated second
-        scaled = (Timed(t.at * scale, t.call) for t in self.calls(seed))
+        if surge is None:
+            scaled = (Timed(t.at * scale, t.call) for t in self.calls(seed))
+        else:
+            scaled = (Timed(surge.warp(t.at * scale), t.call) for t in self.calls(seed))
         return Replay(arena, scaled, stop_at=stop_at)
 
     def saturate(self, arena: Arena, *, seed: int, stop_at: float, per_replica: int | None = None) -> None:

@@ -718,3 +718,62 @@ def test_join_at_must_fall_inside_the_run_on_a_fleet_that_serves_before_it(tmp_p
         compare.run(args)
     with pytest.raises(SystemExit, match="--join-at must be inside the run"):
         compare.run(compare.argparse.Namespace(**{**vars(args), "join_at": 0.0}))
+
+
+def test_a_surge_sends_the_same_arrivals_faster_inside_its_window_and_none_outside_it():
+    """`--surge START:END:FACTOR`: the run's own draws, their times inside the window compressed
+    by FACTOR and those after shifted back, for programs and replays alike; without one, the
+    arrival times are the ones every earlier run had."""
+    from bench.sim.clients import Surge
+    from bench.sim.compare import make_arena
+    from bench.sim.workloads_sim import get
+
+    surge = Surge.parse("20:40:2")
+    assert [surge.warp(u) for u in (10.0, 20.0, 30.0, 60.0, 70.0)] == [10.0, 20.0, 25.0, 40.0, 50.0]
+
+    def sent_times(workload: str, rate: float, surge: Surge | None) -> list[float]:
+        arena = make_arena(workload, "lb", seed=2)
+        get(workload).drive(arena, seed=2, rate_rps=rate, stop_at=80.0, surge=surge)
+        arena.loop.run(80.0)
+        return sorted([d.sent_at for d in arena.done] + [sent for _, sent, _ in arena.callbacks.values()])
+
+    for workload, rate in (("mooncake", 2.0), ("multiturn", 6.0)):
+        plain, surged = sent_times(workload, rate, None), sent_times(workload, rate, surge)
+        before = [t for t in plain if t < 20.0]
+        assert before and [t for t in surged if t < 20.0] == before  # untouched before the window
+        inside = len([t for t in surged if 20.0 <= t < 40.0])
+        assert inside > 1.5 * len([t for t in plain if 20.0 <= t < 40.0])  # twice the rate there
+        if workload == "mooncake":  # a replay: the same calls, only their times moved
+            assert len(surged) > len(plain) and inside == len([t for t in plain if 20.0 <= t < 60.0])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("100:200", "expected START:END:FACTOR"), ("200:100:2", "0 <= START < END"), ("0:10:0", "FACTOR must be > 0"),
+    ("5:30:2", r"must end inside the run \(END <= 12"),
+])
+def test_a_surge_outside_the_run_or_malformed_is_refused_naming_the_flag(tmp_path, spec, message):
+    from bench.sim import compare
+
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0,
+                                      systems="lb", lb_config=None, surge=spec)
+    with pytest.raises(SystemExit, match=f"--surge .*{message}"):
+        compare.run(args)
+
+
+def test_a_surge_reports_each_systems_ttft_during_it_and_after_it(tmp_path, capsys):
+    from bench.sim import compare
+
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=40.0,
+                                      systems="lb,nginx hash-session", lb_config=None, surge="10:20:2")
+    (tmp_path / "capacity.json").write_text(json.dumps({"tot@300s": 40.0}))  # not measured: a 40 s run
+    assert compare.run(args) == 0
+    out = capsys.readouterr().out
+    assert "(offered x2 from 10 to 20 s)" in out
+    assert "of the requests sent during the surge / in as long a window after it: lb " in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["surge"] == {"start_s": 10.0, "end_s": 20.0, "factor": 2.0}
+    for system in ("lb", "nginx hash-session"):
+        assert summary["systems"][system]["surge_p90_s"]["median"] > 0
+        assert summary["systems"][system]["after_surge_p90_s"]["median"] > 0
