@@ -92,20 +92,30 @@ def measure_capacity(workload: str, duration_s: float, seed: int = 0) -> float:
     return best
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How one run differs from the default: clients that do not `stream`; `lb_cfg` (an
+    `LBConfig`) runs lb with those settings under the system's name; `max_tokens`: what the
+    clients declare (bench.workloads.base.EXACT); `headers` False: clients send no lb header
+    (`Arena.headers`); `join_at_s`: each region's last replica joins then
+    (`FleetSpec.join_at_s`); `surge`: the offered load's surge (`bench.sim.clients.Surge`)."""
+    stream: bool = True
+    lb_cfg: LBConfig | None = None
+    max_tokens: str | int = EXACT
+    headers: bool = True
+    join_at_s: float | None = None
+    surge: Surge | None = None
+
+
 def run_one(args: tuple) -> dict:
     """One system, one seed: the per-seed figures (and raw TTFTs for the CDF).
-    args: (workload, system, seed, rate_rps, duration_s[, stream[, lb_cfg[, max_tokens[, headers[, join_at_s[, surge]]]]]]);
-    `lb_cfg` (an `LBConfig`) runs lb with those settings under the system's name; `max_tokens` is
-    what the clients declare (bench.workloads.base.EXACT); `headers` False: clients send no lb
-    header (`Arena.headers`); `join_at_s`: each region's last replica joins then (`FleetSpec.join_at_s`);
-    `surge`: a `bench.sim.clients.Surge` of the offered load."""
+    args: (workload, system, seed, rate_rps, duration_s[, RunOptions])."""
     workload, system, seed, rate_rps, duration_s, *rest = args
+    opts = rest[0] if rest else RunOptions()
     wall = time.perf_counter()
-    arena = make_arena(workload, system, seed, stream=rest[0] if rest else True,
-                       lb_cfg=rest[1] if len(rest) > 1 else None, max_tokens=rest[2] if len(rest) > 2 else EXACT,
-                       headers=rest[3] if len(rest) > 3 else True, join_at_s=rest[4] if len(rest) > 4 else None)
-    surge = rest[5] if len(rest) > 5 else None
-    driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s, surge=surge)
+    arena = make_arena(workload, system, seed, stream=opts.stream, lb_cfg=opts.lb_cfg, max_tokens=opts.max_tokens,
+                       headers=opts.headers, join_at_s=opts.join_at_s)
+    driver = get(workload).drive(arena, seed=seed, rate_rps=rate_rps, stop_at=duration_s, surge=opts.surge)
     waiting = WaitingSampler(arena, duration_s)
     arena.loop.run(duration_s)
     # Steady state only: completions inside [warm, end] for throughput (as capacity is
@@ -144,7 +154,7 @@ def run_one(args: tuple) -> dict:
         "ttft": ttft.round(4).tolist(),
         "replicas": replica_stats(arena, waiting),
         "joined_busy": joined_busy(arena, duration_s),
-        **surge_p90s(arena, surge, duration_s),
+        **surge_p90s(arena, opts.surge, duration_s),
         "wall_s": time.perf_counter() - wall,
     }
 
@@ -216,8 +226,10 @@ def run_load(workload: str, *, seeds: int, load: float, capacity: float, duratio
     those settings as `LB_FROM_FILE`."""
     rate = load * capacity
     names = list(systems() if names is None else names) + ([LB_FROM_FILE] if lb_file is not None else [])
-    jobs = [(workload, system, seed, rate, duration_s, stream, lb_file if system == LB_FROM_FILE else None,
-             max_tokens, headers, join_at_s, surge) for seed in range(seeds) for system in names]
+    options = RunOptions(stream=stream, max_tokens=max_tokens, headers=headers, join_at_s=join_at_s, surge=surge)
+    jobs = [(workload, system, seed, rate, duration_s,
+             dataclasses.replace(options, lb_cfg=lb_file) if system == LB_FROM_FILE else options)
+            for seed in range(seeds) for system in names]
     wall = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:

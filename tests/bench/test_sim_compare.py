@@ -592,7 +592,7 @@ def test_past_capacity_lb_finishes_the_programs_it_started():
     got = {}
     for credit in (WscConfig().interaction_credit, 0.0):
         cfg = dataclasses.replace(LBConfig(), wsc=WscConfig(interaction_credit=credit))
-        run = compare.run_one(("heterogeneous", "lb", 0, 88.6, 120.0, True, cfg))
+        run = compare.run_one(("heterogeneous", "lb", 0, 88.6, 120.0, compare.RunOptions(lb_cfg=cfg)))
         got[credit] = (run["programs_rps"], run["ttft_p90_waited_s"], run["throughput_rps"])
     print(got)
     (programs, waited, rps), (programs0, waited0, rps0) = got.values()
