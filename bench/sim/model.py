@@ -223,7 +223,7 @@ class SimReplica:
         probe cannot have seen yet."""
         v = self.view
         v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted = state
-        note_preemptions(v, preempted)
+        note_preemptions(v, preempted, at)
         v.last_probe_at = at
         v.probe_s = self.probe_s
         # No `answering_at_start`: the simulated LB hears an answer end the instant the engine

@@ -25,6 +25,8 @@ brought up to the LB:
   Recomputing elsewhere costs more than the prefill when KV binds: the prefix then takes KV
   on two replicas, so fewer requests run (sp-micro's long-thought regime: hold 1 s → cache
   hit 0.53; ~15 s → 0.7, docs/results.md).
+  No hold for a holder that preempts beside a free replica that does not (`hold`): it frees
+  no slot for the held request.
 - *Across regions*: with no local replica free, a request a busy local replica holds much
   more of than any peer region waits for it (at most `max_bypass_s`) rather than leave, and
   one whose context a peer region holds goes there, free local replica or not
@@ -46,7 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import itertools
-from typing import Collection, Iterable, Iterator
+import math
+from typing import Collection, Iterable, Iterator, Mapping
 
 from lb.core.length_model import LengthModel
 from lb.core.prefix import uncached_tokens
@@ -190,9 +193,21 @@ class AffinityScheduler:
         across regions: half `min_gain` (`across_regions` says why)."""
         return self.cfg.min_gain / 2 * prompt
 
-    def hold(self, entry: QueueEntry, now: float, free: Collection[str], live: Collection[str]) -> bool:
+    def hold(self, entry: QueueEntry, now: float, free: Collection[str], live: Collection[str],
+             preempted_at: Mapping[str, float] | None = None) -> bool:
         """Should `entry` wait for a busy replica that holds much more of its prompt than
-        any free one? `live`: the healthy targets that could serve it, free or not.
+        any free one? `live`: the healthy targets that could serve it, free or not;
+        `preempted_at`: when each target that preempts last did.
+
+        Not while every holder has preempted within the hold's bound and a free replica has
+        not (`_overcommitted`). The bound assumes the holder frees a slot about when an answer
+        like this one has decoded there; a replica that preempts runs more than its KV holds
+        and readmits what it preempted before anything new, so it frees none, and what it
+        takes it preempts again. A reasoning model's answers (thousands of tokens) after a
+        surge kept the holders of its system prompts preempting while the requests held for
+        them waited up to their bound, a minute or more, beside a replica with half its KV
+        free (docs/results.md). Where every replica preempts (the fleet past its capacity)
+        the hold stands: there its cache is what the fleet lacks.
 
         `min_gain` is 0.35, not 0.5: on 16 replicas past capacity a tree spread over ever more of
         them at 0.5, since some free replica nearly always held part of it and so came within
@@ -202,16 +217,27 @@ class AffinityScheduler:
         cfg, memory = self.cfg, self.memory
         if memory is None or len(live) <= len(free):
             return False
-        if front_wait(entry, now) >= cfg.hold_bound(entry.facts, memory.decode_step_s(), self.expected_output(entry.facts)):
+        bound = cfg.hold_bound(entry.facts, memory.decode_step_s(), self.expected_output(entry.facts))
+        if front_wait(entry, now) >= bound:
             return False
         depth_all, blocks, holders = memory.affinity(entry.facts, live)
         if not blocks or not set(holders).isdisjoint(free):
+            return False
+        if preempted_at and self._overcommitted(holders, free, preempted_at, now - bound):
             return False
         depth_all += self._answer_blocks(entry.facts, holders, depth_all, blocks)
         if depth_all < cfg.min_gain * blocks:
             return False
         depth_free, _, _ = memory.affinity(entry.facts, free)
         return depth_all - depth_free >= cfg.min_gain * blocks
+
+    @staticmethod
+    def _overcommitted(holders: list[str], free: Collection[str], preempted_at: Mapping[str, float],
+                       since: float) -> bool:
+        """Has every holder preempted since `since`, and some free replica not?"""
+        never = -math.inf
+        return (all(preempted_at.get(h, never) >= since for h in holders)
+                and any(preempted_at.get(f, never) < since for f in free))
 
     def _answer_blocks(self, facts: RequestFacts, holders: list[str], depth: int, blocks: int) -> float:
         """The prompt blocks past the trie's match that a holder also has: the answer it gave

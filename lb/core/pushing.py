@@ -120,15 +120,17 @@ def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -
             and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
 
 
-def note_preemptions(view: ReplicaView, total: float | None) -> None:
-    """A probe's preemption counter (None: the engine does not say): once it has grown, the
-    engine is known to admit past its free KV (`OVERCOMMIT_UNSEEN`). A counter that went down
-    is a restarted engine: it starts over from there."""
+def note_preemptions(view: ReplicaView, total: float | None, at: float) -> None:
+    """A probe's preemption counter (None: the engine does not say), the probe sent at `at`:
+    once it has grown, the engine is known to admit past its free KV (`OVERCOMMIT_UNSEEN`),
+    and `preempted_at` says when it last did. A counter that went down is a restarted engine:
+    it starts over from there."""
     if total is None:
         return
     seen = view.preemptions_seen
     if seen is not None and total > seen:
         view.overcommits = True
+        view.preempted_at = at
     view.preemptions_seen = total
 
 

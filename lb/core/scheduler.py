@@ -189,6 +189,8 @@ class _Pass:
     def __init__(self, scheduler: "Scheduler", targets: list, now: float):
         self.scheduler, self.targets, self.now = scheduler, targets, now
         self.by_model: dict[str, list] = {}
+        # when each replica that preempts last did (no hold for one that has lately: AffinityScheduler.hold)
+        self.preempted_at = {t.view.id: t.view.preempted_at for t in targets if t.view.preempted_at is not None}
 
     def for_model(self, model: str) -> list:
         cands = self.by_model.get(model)
@@ -433,7 +435,8 @@ class Scheduler:
                     peers_open = peers.open(now)
                     continue
             if memory is not None:
-                if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets)):
+                if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets),
+                                      p.preempted_at):
                     holder = None
                     if queues and tries > 0:
                         tries -= 1

@@ -277,6 +277,9 @@ def build_app(cfg: Config) -> web.Application:
                 "proven_running": v.proven_running,
                 # its preemption counter has grown: it admits past its free KV (SP-P's floor)
                 "overcommits": v.overcommits,
+                # how long ago a probe last saw it preempt (None: never): no hold for it meanwhile
+                "preempted_s_ago": (None if v.preempted_at is None
+                                    else round(max(0.0, time.monotonic() - v.preempted_at), 3)),
                 # pushes since the last probe that its answer could not include (SP-P's estimate)
                 "unseen_pushes": v.pushed_since_probe, "unseen_push_tokens": v.pushed_tokens_since_probe,
                 "circuit": rep.breaker.state(time.monotonic()).value, "suspect": rep.suspect,

@@ -86,6 +86,23 @@ def test_holds_for_a_busy_holder_only_while_young_and_only_for_a_long_match(poli
     assert not s.hold(stranger, 10.1, free={"b"}, live={"a", "b"})  # nothing to wait for
 
 
+def test_no_hold_for_a_holder_that_preempts_beside_a_free_replica_that_does_not(policy):
+    """A replica that preempts frees no slot for a held request (it readmits what it preempted
+    first): the hold ends while a free replica has not preempted within the hold's bound. Where
+    the free ones preempt too (a fleet past its capacity) the cache is worth the wait."""
+    child = entry("child", BASE + "tree A " * 40 + "next step", 10.0)
+    s = sched(policy, hold_s=5.0, hold_per_token_s=0.0)  # the bound: 5 s
+    held = dict(free={"b"}, live={"a", "b"})
+    assert s.hold(child, 10.1, **held, preempted_at={})
+    assert not s.hold(child, 10.1, **held, preempted_at={"a": 9.0})  # the holder preempted 1.1 s ago
+    assert s.hold(child, 10.1, **held, preempted_at={"a": 5.0})  # 5.1 s ago: past the bound
+    assert s.hold(child, 10.1, **held, preempted_at={"a": 9.0, "b": 8.0})  # the free one preempts too
+    assert not s.hold(child, 10.1, **held, preempted_at={"a": 9.0, "b": 4.0})  # ...but not lately
+    assert not s.hold(child, 10.1, free={"c"}, live={"a", "b", "c"}, preempted_at={"a": 9.0})
+    policy.observe(facts("seed-b2", BASE + "tree A " * 40), "b", 1.0)  # b holds it too, busy, and has not preempted
+    assert s.hold(child, 10.1, free={"c"}, live={"a", "b", "c"}, preempted_at={"a": 9.0})
+
+
 def test_no_hold_when_a_free_replica_holds_almost_as_much(policy):
     policy.observe(facts("seed-b2", BASE + "tree A " * 30), "b", 1.0)  # b holds most of A too
     child = entry("child", BASE + "tree A " * 40 + "next step", 10.0)

@@ -234,19 +234,20 @@ def test_an_engine_seen_to_preempt_takes_a_floor_of_unseen_pushes_whatever_its_f
         return n
 
     assert pushes() == 1  # the first after a probe, then the free KV is spent
-    note_preemptions(v, 12.0)  # the first reading: nothing to compare with yet
+    note_preemptions(v, 12.0, 1.0)  # the first reading: nothing to compare with yet
     assert not v.overcommits and pushes() == 1
-    note_preemptions(v, None)  # an engine that does not say changes nothing
-    note_preemptions(v, 12.0)
-    assert not v.overcommits
-    note_preemptions(v, 15.0)
+    note_preemptions(v, None, 2.0)  # an engine that does not say changes nothing
+    note_preemptions(v, 12.0, 3.0)
+    assert not v.overcommits and v.preempted_at is None
+    note_preemptions(v, 15.0, 4.0)
+    assert v.preempted_at == 4.0  # when the probe that saw it grow was sent
     assert v.overcommits and pushes() == OVERCOMMIT_UNSEEN
     v.kv_free_tokens, v.max_running = 100_000, 256  # room beyond the floor still counts
     assert pushes() > OVERCOMMIT_UNSEEN
     v.kv_free_tokens, v.pending = 300, 1
     assert pushes() == 0
-    note_preemptions(v, 2.0)  # a restarted engine: counted from its new start, still one that preempts
-    assert v.preemptions_seen == 2.0 and v.overcommits
+    note_preemptions(v, 2.0, 5.0)  # a restarted engine: counted from its new start, still one that preempts
+    assert v.preemptions_seen == 2.0 and v.overcommits and v.preempted_at == 4.0
 
 
 def test_vllm_metrics_carry_its_preemption_counter():

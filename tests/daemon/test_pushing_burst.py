@@ -218,13 +218,15 @@ def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv():
 
     try:
         poll(lambda: replica().get("kv_free_tokens"), what="the replica probed")
-        assert replica()["overcommits"] is False
+        assert replica()["overcommits"] is False and replica()["preempted_s_ago"] is None
         statuses = asyncio.run(long_answers())
         with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
             preempted = [line for line in r.read().decode().splitlines() if line.startswith("vllm:num_preemptions_total")]
         assert statuses == [200] * 12
         assert float(preempted[0].split()[-1]) > 0, preempted  # the engine did preempt
         poll(lambda: replica()["overcommits"] or None, what="lb marks the replica")
+        # ...and when it last saw it preempt (a hold stops waiting for it: lb.core.affinity)
+        assert 0 <= replica()["preempted_s_ago"] < 120
         # SP-P's estimate of what the probes have not seen: nothing, once every answer is back
         poll(lambda: (replica()["unseen_pushes"], replica()["unseen_push_tokens"]) == (0, 0) or None,
              what="the probes settle every push")
