@@ -80,17 +80,33 @@ def _simulated(specs) -> dict:
             "makespan": max(r.finished_at for r in done)}
 
 
-def test_simulator_agrees_with_the_live_emulator():
-    specs = _specs()
-    sim = _simulated(specs)
-    live = _live()
-    report = {}
+def _disagreements(sim: dict, live: dict) -> tuple[list[str], dict]:
+    report, out = {}, []
     for q in (50, 90):
         s, l = np.percentile(sim["ttft"], q), np.percentile(live["ttft"], q)
         report[f"ttft_p{q}"] = (s, l)
-        assert abs(s - l) <= TTFT_REL * l + TTFT_ABS, report
+        if abs(s - l) > TTFT_REL * l + TTFT_ABS:
+            out.append(f"TTFT p{q}: simulated {s:.3f} s, live {l:.3f} s")
     s_tput, l_tput = sim["output"] / sim["makespan"], live["output"] / live["makespan"]
     report["output_tok_s"] = (s_tput, l_tput)
-    assert sim["output"] == live["output"]
-    assert abs(s_tput - l_tput) <= TPUT_REL * l_tput, report
-    print("calibration (simulated, live):", {k: tuple(round(x, 3) for x in v) for k, v in report.items()})
+    if abs(s_tput - l_tput) > TPUT_REL * l_tput:
+        out.append(f"output tokens/s: simulated {s_tput:.1f}, live {l_tput:.1f}")
+    return out, report
+
+
+def test_simulator_agrees_with_the_live_emulator():
+    """The live half runs once more if it disagrees: on this 2-core machine the test beside it
+    in the other worker can starve the emulators for seconds (seen once in a fresh-clone run:
+    live TTFT p50 0.49 s against 0.20 simulated, 0.20-0.21 live when run again alone). A model
+    that is wrong disagrees both times."""
+    specs = _specs()
+    sim = _simulated(specs)
+    for attempt in range(2):
+        live = _live()
+        assert sim["output"] == live["output"]
+        problems, report = _disagreements(sim, live)
+        print(f"calibration, try {attempt + 1} (simulated, live):",
+              {k: tuple(round(float(x), 3) for x in v) for k, v in report.items()})
+        if not problems:
+            return
+    pytest.fail("; ".join(problems))
