@@ -435,8 +435,11 @@ class Scheduler:
                     peers_open = peers.open(now)
                     continue
             if memory is not None:
+                # a hold for a holder that preempts ends while no more wait here than replicas are
+                # free: then the free one would idle (AffinityScheduler.hold)
+                preempted = p.preempted_at if len(self.queue) <= len(cands) else None
                 if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets),
-                                      p.preempted_at):
+                                      preempted):
                     holder = None
                     if queues and tries > 0:
                         tries -= 1

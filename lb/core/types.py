@@ -68,7 +68,7 @@ class ReplicaView:
     preemptions_seen: float | None = None
     overcommits: bool = False
     # when a probe last saw that counter grow: a request is not held for a replica that has
-    # preempted lately while a free one has not (lb.core.affinity.AffinityScheduler.hold)
+    # preempted lately beside a free one that has not and would idle (AffinityScheduler.hold)
     preempted_at: float | None = None
     probe_s: float = 0.0  # how long its last probe took (what one costs the engine; lb.core.scheduler.wants_probe)
     pushed_tokens_since_probe: int = 0

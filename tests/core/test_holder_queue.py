@@ -101,10 +101,11 @@ def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
     assert placed(others_waiting=8) == ["c0", "c1", "c2"]  # 20 against 8: within 8 past twice 8
 
 
-def held(preempted_at: dict[str, float]) -> list:
+def held(preempted_at: dict[str, float], behind: int = 0) -> list:
     """Replica `a` holds a tree's context and is busy (its engine preempts, requests wait there);
-    `b` is free. A call of the tree arrives: held for `a` (into its engine's own queue), unless
-    `a` preempted lately and `b` did not (lb.core.affinity.AffinityScheduler.hold)."""
+    `b` is free. A call of the tree arrives, and `behind` unrelated requests after it: the call is
+    held for `a` (into its engine's own queue), unless `a` preempted lately, `b` did not, and
+    nothing else waits for `b` (lb.core.affinity.AffinityScheduler.hold)."""
     s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=30.0)), make_policy("predicted-ttft"),
                   make_queue("fcfs"))
     a, b = Rep("a"), Rep("b")
@@ -114,11 +115,15 @@ def held(preempted_at: dict[str, float]) -> list:
     a.view.overcommits = b.view.overcommits = True
     a.view.preempted_at, b.view.preempted_at = preempted_at.get("a"), preempted_at.get("b")
     s.admit(QueueEntry(child("c1"), enqueued_at=NOW, seq=1), NOW)
-    return [(p.kind, p.target_id) for p in s.schedule(NOW, [a, b])]
+    for i in range(behind):
+        s.admit(QueueEntry(other(f"x{i}"), enqueued_at=NOW, seq=2 + i), NOW)
+    return [(p.entry.facts.request_id, p.kind, p.target_id) for p in s.schedule(NOW, [a, b])]
 
 
 def test_a_call_is_not_held_for_a_holder_that_preempts_beside_a_free_replica_that_does_not():
-    assert held({}) == [(Kind.REPLICA, "a")]  # held for its context: into a's own queue
-    assert held({"a": NOW - 1}) == [(Kind.REPLICA, "b")]  # a preempted a second ago: b takes it
-    assert held({"a": NOW - 60}) == [(Kind.REPLICA, "a")]  # a minute ago: past the 30 s hold bound
-    assert held({"a": NOW - 1, "b": NOW - 2}) == [(Kind.REPLICA, "a")]  # both preempt: the cache counts
+    assert held({}) == [("c1", Kind.REPLICA, "a")]  # held for its context: into a's own queue
+    assert held({"a": NOW - 1}) == [("c1", Kind.REPLICA, "b")]  # a preempted a second ago: b takes it
+    assert held({"a": NOW - 60}) == [("c1", Kind.REPLICA, "a")]  # a minute ago: past the 30 s hold bound
+    assert held({"a": NOW - 1, "b": NOW - 2}) == [("c1", Kind.REPLICA, "a")]  # both preempt: the cache counts
+    # a request behind it has nowhere better to go: it takes b, and the call keeps its hold
+    assert held({"a": NOW - 1}, behind=1) == [("c1", Kind.REPLICA, "a"), ("x0", Kind.REPLICA, "b")]
