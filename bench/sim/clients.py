@@ -142,7 +142,7 @@ class Programs:
         rng = random.Random(f"{seed}/program-arrivals")
         counter = iter(range(1 << 40))
         loop = self.arena.loop
-        warp = surge.warp if surge is not None else (lambda u: u)
+        warp = Surge.warp_of(surge)
 
         def arrive(region: str, rate: float, u: float) -> None:
             if loop.now >= self.stop_at:
@@ -180,6 +180,11 @@ class Surge:
         if not factor > 0:
             raise ValueError(f"{spec!r}: FACTOR must be > 0 (1.5: half again the offered load)")
         return cls(start, end, factor)
+
+    @staticmethod
+    def warp_of(surge: "Surge | None"):
+        """`surge.warp`, or with no surge the times as drawn."""
+        return surge.warp if surge is not None else (lambda u: u)
 
     def warp(self, u: float) -> float:
         """The virtual time of an arrival drawn at time `u` on the run's own rate."""

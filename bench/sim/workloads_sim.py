@@ -66,10 +66,8 @@ class Workload:
             programs.arrivals({r.name: per_program * r.weight / total for r in fleet.regions}, seed, surge)
             return programs
         scale = self.natural_rps() / rate_rps  # trace seconds per simulated second
-        if surge is None:
-            scaled = (Timed(t.at * scale, t.call) for t in self.calls(seed))
-        else:
-            scaled = (Timed(surge.warp(t.at * scale), t.call) for t in self.calls(seed))
+        warp = Surge.warp_of(surge)
+        scaled = (Timed(warp(t.at * scale), t.call) for t in self.calls(seed))
         return Replay(arena, scaled, stop_at=stop_at)
 
     def saturate(self, arena: Arena, *, seed: int, stop_at: float, per_replica: int | None = None) -> None:

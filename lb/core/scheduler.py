@@ -57,6 +57,7 @@ hooks): `choose`, `observe`, `register`, `forget`, `last` (a `Decision`) and `pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 from enum import Enum
 from typing import Iterable, Protocol, Sequence
 
@@ -189,8 +190,12 @@ class _Pass:
     def __init__(self, scheduler: "Scheduler", targets: list, now: float):
         self.scheduler, self.targets, self.now = scheduler, targets, now
         self.by_model: dict[str, list] = {}
-        # when each replica that preempts last did (no hold for one that has lately: AffinityScheduler.hold)
-        self.preempted_at = {t.view.id: t.view.preempted_at for t in targets if t.view.preempted_at is not None}
+
+    @functools.cached_property
+    def preempted_at(self) -> dict[str, float]:
+        """When each replica that preempts last did (no hold for one that has lately:
+        AffinityScheduler.hold); built only when a pass first weighs a hold."""
+        return {t.view.id: t.view.preempted_at for t in self.targets if t.view.preempted_at is not None}
 
     def for_model(self, model: str) -> list:
         cands = self.by_model.get(model)
