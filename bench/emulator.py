@@ -306,6 +306,9 @@ class Emulator:
             "max_total_num_tokens": load.kv_total_tokens, "token_usage": load.token_usage,
             "gen_throughput": self.driver.gen_throughput(), "cache_hit_rate": load.cache_hit_rate,
             "utilization": load.token_usage, "max_running_requests": load.max_running,
+            # SGLang's LoadSnapshot queues; retracted: those of its last stats window (bench.engine)
+            "queues": {"waiting": load.num_waiting, "grammar": 0, "paused": 0,
+                       "retracted": load.counters.retracted_last_window},
         }
 
     async def loads(self, request: web.Request) -> web.Response:
@@ -670,6 +673,7 @@ class _MetricsCollector:
         yield counter("sglang:cached_tokens", "Prompt tokens served from cache", c.cached_tokens)
         yield counter("sglang:num_requests", "Finished requests", c.requests)
         yield counter("sglang:num_aborted_requests", "Aborted requests", c.aborted)
+        yield counter("sglang:num_retracted_requests", "Total number of retracted requests.", c.preemptions)
         # not an SGLang metric: lets tests tell an explicit abort from a disconnect
         yield counter("emulator:abort_request_calls", "POST /abort_request received", emu.abort_calls)
         engine = {"engine": "0"}

@@ -116,6 +116,11 @@ def answer_key(request_id: str) -> int:
 # schedule_policy.py: LPM falls back to FCFS above this many waiting requests.
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_DECODE_STEPS = 20
+# sglang server_args.py `decode_log_interval`: every this many decode batches the scheduler
+# logs its stats and hands the requests retracted since the last log to what /v1/loads
+# reports (`queues.retracted`), zeroing its count (scheduler_metrics_mixin.py
+# `log_decode_stats`): a count of the last window, not a total.
+DECODE_LOG_INTERVAL = 40
 LPM_MAX_QUEUE = 128
 
 
@@ -181,6 +186,18 @@ class Counters:
     # admitted: what a waiting queue costs when waiting requests do not pin their prefix
     # (neither SGLang's radix cache nor vLLM's block pool locks a waiting request's blocks)
     lost_while_waiting: int = 0
+    decode_batches: int = 0  # steps that decoded (SGLang's `forward_ct_decode`)
+    preempted_since_log: int = 0  # preemptions since the last DECODE_LOG_INTERVAL boundary
+    retracted_last_window: int = 0  # those of the last whole window: SGLang's `queues.retracted`
+
+    def count_decode_batches(self, n: int) -> None:
+        """`n` more decode batches: at each DECODE_LOG_INTERVAL boundary the window's
+        preemptions become what the load endpoint reports, and the count starts over."""
+        crossed = (self.decode_batches + n) // DECODE_LOG_INTERVAL - self.decode_batches // DECODE_LOG_INTERVAL
+        self.decode_batches += n
+        if crossed:  # past a second boundary the window reported had none
+            self.retracted_last_window = self.preempted_since_log if crossed == 1 else 0
+            self.preempted_since_log = 0
 
 
 @dataclass(frozen=True)
@@ -452,6 +469,8 @@ class Engine:
             self._emit(seq, result, now)
         result.prefill_tokens = prefilled
         result.decode_seqs = len(decodes)
+        if decodes:
+            self.counters.count_decode_batches(1)
         result.duration = (p.step_base_s + p.prefill_token_s * result.prefill_tokens
                            + p.decode_seq_s * len(decodes) + p.context_token_s * context)
         self._busy_until = result.end
@@ -726,3 +745,4 @@ class Engine:
         self._release(seq, now)
         self._enqueue(seq)
         self.counters.preemptions += 1
+        self.counters.preempted_since_log += 1

@@ -33,7 +33,7 @@ from bench.sim.clients import Surge
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
-from bench.sim.workloads_sim import PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
+from bench.sim.workloads_sim import ENGINES, PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
 from bench.stats import programs_finished_rps, steady_summary, tenant_summary
 from bench.systems import pick_names
 from bench.workloads.base import EXACT, check_max_tokens
@@ -300,6 +300,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the workload on a fleet K times larger (every region's replicas K times over; "
                              "capacity measured on that fleet, so --load keeps its meaning); also written "
                              "WORKLOAD*K")
+    parser.add_argument("--engine", choices=ENGINES,
+                        help="the replicas' scheduler: vllm (the default: admits by prompt blocks, preempts the "
+                             "newest) or sglang (longest prefix first, reserves for answers, retracts); also "
+                             "WORKLOAD@sglang. Capacity is measured on those engines")
     parser.add_argument("--join-at", type=float, metavar="S",
                         help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "
                              "(capacity is still the whole fleet's, so the others run past theirs until then); "
@@ -326,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
     if args.load <= 0:
         raise SystemExit("--load must be > 0 (a share of the fleet's capacity, e.g. 0.9)")
     name = args.workload
+    engine = getattr(args, "engine", None)
+    if engine is not None and "@" in name:
+        raise SystemExit(f"--engine: {name} names its engine already; give one or the other")
     scale = getattr(args, "fleet_scale", 1)
     if scale != 1:
         if scale < 1:
@@ -333,13 +340,15 @@ def run(args: argparse.Namespace) -> int:
         if "*" in name:
             raise SystemExit(f"--fleet-scale: {name} names its scale already; give one or the other")
         name = f"{name}*{scale}"
+    if engine not in (None, "vllm"):
+        name = f"{name}@{engine}"
     try:
         workload = get(name)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if workload.runner is not None and "*" in name:
-        raise SystemExit(f"{name}: {name.partition('*')[0]} runs its own scenario; "
-                         "--fleet-scale applies to the suite's workloads")
+    if workload.runner is not None and ("*" in name or "@" in name):
+        raise SystemExit(f"{name}: {name.partition('@')[0].partition('*')[0]} runs its own scenario; "
+                         "--fleet-scale and --engine apply to the suite's workloads")
     if workload.runner is not None:  # its own systems and columns (e.g. fairness)
         if getattr(args, "duration", None) is not None:
             raise SystemExit(f"--duration does not apply to {name} (its runs keep the live scenario's length)")

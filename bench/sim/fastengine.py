@@ -105,15 +105,18 @@ class FastEngine(Engine):
             seq.private += j
             seq.computed = len(seq.tokens)
         self.counters.generation_tokens += run.n * j
+        self.counters.count_decode_batches(j)
         if self.profile.new_token_ratio is not None:  # j decode steps, no retraction
             self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - j * self._ratio_decay)
         self.collapsed_steps += j
         self._busy_until = run.step_start(j)
 
-    def probe(self) -> tuple[int, int, float, int, int | None]:
-        """(waiting, running, KV usage, free KV tokens, preemptions): what a load endpoint
-        reports; preemptions only from a vLLM-like engine (vLLM's /metrics has the counter,
-        SGLang's /v1/loads no retraction count)."""
+    def probe(self) -> tuple[int, int, float, int, int | None, int | None]:
+        """(waiting, running, KV usage, free KV tokens, preemptions, retracted lately): what a
+        load endpoint reports. A vLLM-like engine's /metrics has the preemption counter;
+        SGLang's /v1/loads the retractions of its last stats window (`queues.retracted`)."""
         used, total = self._used(), self.profile.kv_tokens
-        preempted = self.counters.preemptions if self.profile.new_token_ratio is None else None
-        return len(self._waiting), len(self._running), used / total, total - used, preempted
+        c = self.counters
+        vllm = self.profile.new_token_ratio is None
+        return (len(self._waiting), len(self._running), used / total, total - used,
+                c.preemptions if vllm else None, None if vllm else c.retracted_last_window)

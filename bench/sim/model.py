@@ -217,13 +217,14 @@ class SimReplica:
             log = self.view.push_log
             self.fresh = not log or log[-1][0] <= tick
 
-    def probe_into_view(self, at: float, state: tuple[int, int, float, int, int | None], outstanding_at: int) -> None:
+    def probe_into_view(self, at: float, state: tuple[int, int, float, int, int | None, int | None],
+                        outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
-        KV room (SGLang /v1/loads), its preemptions (vLLM /metrics), and the LB's pushes the
-        probe cannot have seen yet."""
+        KV room (SGLang /v1/loads), its preemptions (vLLM /metrics) or retractions lately
+        (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
-        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted = state
-        note_preemptions(v, preempted, at)
+        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately = state
+        note_preemptions(v, preempted, at, lately)
         v.last_probe_at = at
         v.probe_s = self.probe_s
         # No `answering_at_start`: the simulated LB hears an answer end the instant the engine

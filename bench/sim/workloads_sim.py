@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from bench import traces
+from bench.profiles import PROFILES
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Surge, Timed
 from bench.workloads import make_workload
@@ -112,16 +113,39 @@ def register(workload: Workload) -> Workload:
     return workload
 
 
+# The engines a workload's replicas run: the fleet's profile as it is (vLLM's scheduler: it
+# admits by prompt blocks and preempts the newest), or that hardware under SGLang's scheduler
+# (`Profile.as_sglang`: longest-prefix-first waiting queue, a new-token-ratio reservation,
+# retraction). Operators run either; a policy has to win on both.
+ENGINES = ("vllm", "sglang")
+
+
 def get(name: str) -> Workload:
-    """A workload by name; "NAME*K" is NAME on a fleet K times larger (`scaled`)."""
+    """A workload by name; "NAME*K" is NAME on a fleet K times larger (`scaled`), and a suffix
+    "@sglang" the same on SGLang's scheduler (`on_engine`)."""
+    name, at, engine = name.partition("@")
+    if at and engine not in ENGINES:
+        raise ValueError(f"{name}@{engine!r}: the engine after '@' is one of {', '.join(ENGINES)}, e.g. {name}@sglang")
     base, star, times = name.partition("*")
     if base not in WORKLOADS:
         raise ValueError(f"unknown workload {base!r}; choose from {', '.join(WORKLOADS)} (lb-bench sim-compare --list)")
-    if not star:
-        return WORKLOADS[base]
-    if not times.isdigit() or int(times) < 1:
-        raise ValueError(f"{name!r}: the fleet's scale after '*' must be a whole number >= 1, e.g. {base}*4")
-    return scaled(WORKLOADS[base], int(times))
+    w = WORKLOADS[base]
+    if star:
+        if not times.isdigit() or int(times) < 1:
+            raise ValueError(f"{name!r}: the fleet's scale after '*' must be a whole number >= 1, e.g. {base}*4")
+        w = scaled(w, int(times))
+    return on_engine(w, engine) if at else w
+
+
+def on_engine(w: Workload, engine: str) -> Workload:
+    """`w` with every replica on `engine`'s scheduler (`ENGINES`), the same hardware."""
+    if engine == "vllm":
+        return w
+    profile = f"{w.fleet.profile}-{engine}"
+    if profile not in PROFILES:
+        raise ValueError(f"{w.name}@{engine}: no {engine} profile of {w.fleet.profile} (bench/profiles.py)")
+    return dataclasses.replace(w, name=f"{w.name}@{engine}", fleet=dataclasses.replace(w.fleet, profile=profile),
+                               description=f"{w.description}; on {engine}'s scheduler")
 
 
 def scaled(w: Workload, k: int) -> Workload:

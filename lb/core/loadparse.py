@@ -21,7 +21,10 @@ class EngineLoad:
     kv_free_tokens: int | None = None  # KV tokens not held by requests (SGLang /v1/loads)
     kv_total_tokens: int | None = None  # the whole KV cache in tokens (summed over dp ranks / engines)
     max_running: int | None = None  # the engine's batch cap
-    preemptions: float | None = None  # requests it preempted since it started (vLLM's counter)
+    preemptions: float | None = None  # requests it preempted since it started (a counter)
+    # requests it preempted in its last stats window (SGLang's /v1/loads `queues.retracted`: a
+    # count that starts over every 40 decode batches, so it says "lately", not how many in all)
+    retracted_lately: int | None = None
 
 
 def _dp_ranks(value: object) -> list[dict]:
@@ -38,6 +41,7 @@ def parse_sglang_v1_loads(body: bytes) -> EngineLoad:
     sized = all(isinstance(r.get("max_total_num_tokens"), int) and isinstance(r.get("num_used_tokens"), int)
                 for r in ranks)
     caps = [r.get("max_running_requests") for r in ranks]
+    retracted = [r["queues"].get("retracted") for r in ranks if isinstance(r.get("queues"), dict)]
     return EngineLoad(
         pending=sum(int(r["num_waiting_reqs"]) for r in ranks),
         running=sum(int(r.get("num_running_reqs", 0)) for r in ranks),
@@ -46,6 +50,7 @@ def parse_sglang_v1_loads(body: bytes) -> EngineLoad:
         kv_free_tokens=max(r["max_total_num_tokens"] - r["num_used_tokens"] for r in ranks) if sized else None,
         kv_total_tokens=sum(r["max_total_num_tokens"] for r in ranks) if sized else None,
         max_running=sum(caps) if all(isinstance(c, int) and c > 0 for c in caps) else None,
+        retracted_lately=sum(retracted) if retracted and all(isinstance(n, int) for n in retracted) else None,
     )
 
 
@@ -104,8 +109,9 @@ def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
-def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0) -> Callable[[bytes], EngineLoad]:
-    names = [n for n in (pending, running, kv) if n]
+def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0,
+                    preemptions: str | None = None) -> Callable[[bytes], EngineLoad]:
+    names = [n for n in (pending, running, kv, preemptions) if n]
 
     def parse(body: bytes) -> EngineLoad:
         vals = prometheus_values(body, names)
@@ -116,13 +122,17 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
             pending=int(vals[pending]),
             running=int(vals[running]) if running in vals else None,
             kv_usage=None if kv_usage is None else kv_usage * kv_scale,
+            preemptions=vals.get(preemptions) if preemptions else None,
         )
 
     parse.__name__ = f"parse_{pending.split(':')[0]}_metrics"
     return parse
 
 
-parse_sglang_metrics = _metrics_parser("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
+# the retraction counter: SGLang's /metrics since 2025 (`sglang:num_retracted_reqs` beside it is a
+# gauge of the last stats window, zeroed at each log: no total)
+parse_sglang_metrics = _metrics_parser("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
+                                       preemptions="sglang:num_retracted_requests_total")
 _VLLM_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # the latter: before v0.10
 _VLLM_CACHE_INFO = b"vllm:cache_config_info"
 

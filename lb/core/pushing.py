@@ -120,11 +120,15 @@ def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -
             and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
 
 
-def note_preemptions(view: ReplicaView, total: float | None, at: float) -> None:
+def note_preemptions(view: ReplicaView, total: float | None, at: float, lately: int | None = None) -> None:
     """A probe's preemption counter (None: the engine does not say), the probe sent at `at`:
     once it has grown, the engine is known to admit past its free KV (`OVERCOMMIT_UNSEEN`),
     and `preempted_at` says when it last did. A counter that went down is a restarted engine:
-    it starts over from there."""
+    it starts over from there. `lately`: what an engine that keeps no total says instead, the
+    requests it preempted in its last stats window (SGLang's retractions): any is one now."""
+    if lately:
+        view.overcommits = True
+        view.preempted_at = at
     if total is None:
         return
     seen = view.preemptions_seen

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bench.engine import Engine, EngineRequest, StepResult
+from bench.engine import DECODE_LOG_INTERVAL, Engine, EngineRequest, StepResult
 from bench.profiles import PROFILES, get_profile
 from bench.tokenizer import decode, encode, filler_text, render_chat
 
@@ -445,8 +445,32 @@ def test_new_token_ratio_decays_admits_more_then_retracts_and_rises():
     assert "long" not in retracted  # fewest output tokens go first, never the long decode
     assert e.new_token_ratio > 0.2  # raised to what the running requests really need
     assert e.counters.preemptions == len(retracted)
+    # what /v1/loads says (`queues.retracted`): the retractions of the last whole window of
+    # DECODE_LOG_INTERVAL decode batches, none until that window closes, none a window later
+    assert e.load().counters.retracted_last_window == 0
+    seen = []
+    while len(seen) < 2 * DECODE_LOG_INTERVAL + 1:
+        now = e.step(now).end
+        seen.append(e.counters.retracted_last_window)
+    assert len(retracted) <= max(seen) <= e.counters.preemptions and seen[-1] < max(seen)
     run_until_idle(e, now)
     assert e.counters.requests == 13
+
+
+def test_a_retraction_window_spans_collapsed_decode_steps_as_single_ones():
+    from bench.engine import Counters
+
+    one, many = Counters(), Counters()
+    for c in (one, many):
+        c.count_decode_batches(DECODE_LOG_INTERVAL - 3)
+        c.preempted_since_log = 2
+    for _ in range(5):
+        one.count_decode_batches(1)
+    many.count_decode_batches(5)
+    assert one == many and many.retracted_last_window == 2 and many.preempted_since_log == 0
+    many.preempted_since_log = 4
+    many.count_decode_batches(2 * DECODE_LOG_INTERVAL)  # two boundaries: the last window had none
+    assert many.retracted_last_window == 0 and many.preempted_since_log == 0
 
 
 def test_a_waiting_request_does_not_pin_its_cached_prefix():

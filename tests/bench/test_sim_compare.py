@@ -664,6 +664,40 @@ def test_a_workload_runs_on_a_fleet_k_times_larger_with_its_capacity_measured_th
             compare.run(compare.argparse.Namespace(**{**vars(args), **bad}))
 
 
+def test_a_workload_runs_on_sglangs_scheduler_and_lb_hears_its_retractions(tmp_path, monkeypatch):
+    """`--engine sglang` (or WORKLOAD@sglang): the same hardware under SGLang's scheduler, the
+    capacity measured on it and kept apart. Its engines retract past capacity and say so only
+    as `/v1/loads` does (the retractions of the last 40 decode batches); lb's views take that
+    as a preemption, as they take vLLM's counter."""
+    from bench.sim import compare, workloads_sim
+
+    assert workloads_sim.get("reasoning@sglang").fleet.profile == "l4-llama3-8b-sglang"
+    big = workloads_sim.get("regions*2@sglang")
+    assert (big.name, big.fleet.regions[0].replicas, big.fleet.profile) == ("regions*2@sglang", 4, "l4-llama3-8b-sglang")
+    with pytest.raises(ValueError, match="the engine after '@' is one of vllm, sglang"):
+        workloads_sim.get("tot@tgi")
+    assert workloads_sim.get("tot@vllm") is workloads_sim.get("tot")
+
+    arena = compare.make_arena("shared-prefix@sglang", "lb", seed=1)
+    workloads_sim.get("shared-prefix@sglang").drive(arena, seed=1, rate_rps=8.0, stop_at=90.0)
+    arena.loop.run(90.0)
+    retracted = [r for r in arena.replicas if r.engine.counters.preemptions]
+    assert retracted and all(r.engine.profile.new_token_ratio is not None for r in arena.replicas)
+    assert all(r.view.overcommits and r.view.preempted_at is not None for r in retracted)
+
+    monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)
+    args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,
+                                      sweep=False, list=False, workers=1, no_stream=False, duration=12.0,
+                                      systems="lb", lb_config=None, engine="sglang")
+    assert compare.run(args) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["workload"] == "tot@sglang"
+    assert list(json.loads((tmp_path / "capacity.json").read_text())) == ["tot@sglang@15s"]
+    for bad, says in (({"workload": "tot@sglang"}, "names its engine already"),
+                      ({"workload": "fairness"}, "runs its own scenario")):
+        with pytest.raises(SystemExit, match=says):
+            compare.run(compare.argparse.Namespace(**{**vars(args), **bad}))
+
+
 def test_clients_without_lb_headers_reach_lb_as_third_party_clients_and_their_steps_are_recognized():
     """`--no-session-headers`: the agent's calls carry no session, interaction, stage or last
     call; lb's scheduler (the daemon's) recognizes the steps by their prompts and learns each

@@ -47,6 +47,27 @@ def test_sglang_v1_loads_with_sizes_gives_the_free_room_of_one_rank_and_the_whol
     assert (load.kv_free_tokens, load.kv_total_tokens) == (900, 2000)
 
 
+def test_sglang_v1_loads_says_what_it_retracted_lately_and_its_metrics_the_total():
+    """SGLang's LoadSnapshot (since 2025) carries `queues.retracted`: the requests retracted in
+    the scheduler's last stats window, summed over dp ranks; older versions have no `queues`.
+    Its /metrics has the running total as a counter."""
+    def rank(retracted: object) -> dict:
+        return {"num_running_reqs": 3, "num_waiting_reqs": 0, "token_usage": 0.9,
+                "queues": {"waiting": 0, "grammar": 0, "paused": 0, "retracted": retracted}}
+
+    assert loadparse.parse_sglang_v1_loads(orjson.dumps({"loads": [rank(2), rank(1)]})).retracted_lately == 3
+    assert loadparse.parse_sglang_v1_loads(orjson.dumps({"loads": [rank(0)]})).retracted_lately == 0
+    older = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 0, "token_usage": 0.9}]}
+    assert loadparse.parse_sglang_v1_loads(orjson.dumps(older)).retracted_lately is None
+    assert loadparse.parse_sglang_v1_loads(orjson.dumps({"loads": [rank("2")]})).retracted_lately is None
+    page = (b'sglang:num_queue_reqs{model_name="m"} 1.0\n'
+            b'sglang:num_running_reqs{model_name="m"} 8.0\n'
+            b'sglang:num_retracted_reqs{model_name="m"} 0.0\n'  # the window's gauge: not a total
+            b'sglang:num_retracted_requests_total{model_name="m"} 17.0\n')
+    assert loadparse.parse_sglang_metrics(page).preemptions == 17.0
+    assert loadparse.parse_sglang_metrics(page.split(b"sglang:num_retracted_requests")[0]).preemptions is None
+
+
 def test_sglang_get_load_list_and_old_shapes():
     body = orjson.dumps([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100}])
     assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3)

@@ -250,6 +250,22 @@ def test_an_engine_seen_to_preempt_takes_a_floor_of_unseen_pushes_whatever_its_f
     assert v.preemptions_seen == 2.0 and v.overcommits and v.preempted_at == 4.0
 
 
+def test_an_engine_that_says_it_preempted_lately_is_marked_at_each_probe_that_says_so():
+    """SGLang keeps no total on /v1/loads: it says how many it retracted in its last stats
+    window. Any is a preemption now; none leaves the last time as it was."""
+    from lb.core.pushing import note_preemptions
+
+    v = view(kv_free_tokens=300, kv_total_tokens=4096)
+    note_preemptions(v, None, 1.0, 0)
+    assert not v.overcommits and v.preempted_at is None
+    note_preemptions(v, None, 2.0, 3)
+    assert v.overcommits and v.preempted_at == 2.0
+    note_preemptions(v, None, 2.1, 3)  # the same window seen again: still lately
+    assert v.preempted_at == 2.1
+    note_preemptions(v, None, 3.0, 0)
+    assert v.overcommits and v.preempted_at == 2.1
+
+
 def test_vllm_metrics_carry_its_preemption_counter():
     from lb.core.loadparse import parse_vllm_metrics
 

@@ -195,12 +195,15 @@ def test_a_cap_learned_low_from_a_token_budget_grows_back_when_short_prompts_fol
     assert grown > min(2 * low, 47), (low, grown)
 
 
-def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv():
-    """A vLLM face admitting without a decode reservation (vLLM V1's rule) preempts once long
-    answers outgrow its KV; lb reads the counter on /metrics and marks the replica, which
-    gives SP-P its floor of unseen pushes (lb.core.pushing.OVERCOMMIT_UNSEEN)."""
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv(engine):
+    """An engine admitting without a decode reservation (vLLM V1's rule) preempts once long
+    answers outgrow its KV; lb marks the replica, which gives SP-P its floor of unseen pushes
+    (lb.core.pushing.OVERCOMMIT_UNSEEN). vLLM's face says so with the counter on /metrics;
+    SGLang's /v1/loads with the retractions of its last stats window (`queues.retracted`),
+    which lb must catch while the window lasts."""
     emu, url = start_emulator("--speed", "1", "--decode-reserve", "0")
-    d = start_lb("--replica", url, "--engine", "vllm", "--pushing", "sp-pending", "--policy", "least-load")
+    d = start_lb("--replica", url, "--engine", engine, "--pushing", "sp-pending", "--policy", "least-load")
     admin = {"Authorization": f"Bearer {d.token}"}
 
     def replica() -> dict:
