@@ -56,11 +56,14 @@ class Profile:
     source: str = ""
     reference: dict[str, tuple[object, str]] = field(default_factory=dict)
 
-    def as_sglang(self) -> "Profile":
-        """The same hardware with SGLang's scheduler (defaults of sglang `--schedule-policy
-        fcfs|lpm`: lpm is its default; ratio constants from sglang/srt/environ.py)."""
-        return replace(self, name=f"{self.name}-sglang", new_token_ratio=SGLANG_NEW_TOKEN_RATIO,
-                       waiting_order="lpm")
+    def as_sglang(self, waiting_order: str = "lpm") -> "Profile":
+        """The same hardware with SGLang's scheduler (ratio constants from
+        sglang/srt/environ.py) and its `--schedule-policy`: "lpm" (longest cached prefix
+        first; the default of older releases, and of SkyWalker's testbed) or "fcfs" (arrival
+        order: the default of current releases, server_args `schedule_policy = "fcfs"`)."""
+        suffix = "-sglang" if waiting_order == "lpm" else f"-sglang-{waiting_order}"
+        return replace(self, name=f"{self.name}{suffix}", new_token_ratio=SGLANG_NEW_TOKEN_RATIO,
+                       waiting_order=waiting_order)
 
     def with_overrides(self, **changes: object) -> "Profile":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -158,6 +161,7 @@ PROFILES: dict[str, Profile] = {
 # The L4 testbed with SGLang's scheduler (SkyWalker's engine): the same timing, SGLang's
 # admission estimate, retraction and LPM waiting order.
 PROFILES["l4-llama3-8b-sglang"] = PROFILES["l4-llama3-8b"].as_sglang()
+PROFILES["l4-llama3-8b-sglang-fcfs"] = PROFILES["l4-llama3-8b"].as_sglang("fcfs")  # today's default order
 PROFILES["tiny-sglang"] = PROFILES["tiny"].as_sglang()  # tests: SGLang's scheduler in small
 
 

@@ -300,10 +300,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the workload on a fleet K times larger (every region's replicas K times over; "
                              "capacity measured on that fleet, so --load keeps its meaning); also written "
                              "WORKLOAD*K")
-    parser.add_argument("--engine", choices=ENGINES,
+    parser.add_argument("--engine", choices=list(ENGINES),
                         help="the replicas' scheduler: vllm (the default: admits by prompt blocks, preempts the "
-                             "newest) or sglang (longest prefix first, reserves for answers, retracts); also "
-                             "WORKLOAD@sglang. Capacity is measured on those engines")
+                             "newest), sglang (arrival order, reserves for answers, retracts) or sglang-lpm (the "
+                             "same, its queue longest cached prefix first); also WORKLOAD@ENGINE. Capacity is "
+                             "measured on those engines")
     parser.add_argument("--join-at", type=float, metavar="S",
                         help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "
                              "(capacity is still the whole fleet's, so the others run past theirs until then); "

@@ -113,11 +113,12 @@ def register(workload: Workload) -> Workload:
     return workload
 
 
-# The engines a workload's replicas run: the fleet's profile as it is (vLLM's scheduler: it
-# admits by prompt blocks and preempts the newest), or that hardware under SGLang's scheduler
-# (`Profile.as_sglang`: longest-prefix-first waiting queue, a new-token-ratio reservation,
-# retraction). Operators run either; a policy has to win on both.
-ENGINES = ("vllm", "sglang")
+# The engines a workload's replicas run, each the same hardware (the fleet's profile) under
+# another scheduler: vLLM's (it admits by prompt blocks and preempts the newest), SGLang's as
+# it ships today (arrival order, a new-token-ratio reservation, retraction) and SGLang with
+# `--schedule-policy lpm` (its waiting queue longest cached prefix first: the default of older
+# releases). Operators run any of them; a policy has to win on each.
+ENGINES = {"vllm": "", "sglang": "-sglang-fcfs", "sglang-lpm": "-sglang"}
 
 
 def get(name: str) -> Workload:
@@ -139,9 +140,9 @@ def get(name: str) -> Workload:
 
 def on_engine(w: Workload, engine: str) -> Workload:
     """`w` with every replica on `engine`'s scheduler (`ENGINES`), the same hardware."""
-    if engine == "vllm":
+    if not ENGINES[engine]:
         return w
-    profile = f"{w.fleet.profile}-{engine}"
+    profile = f"{w.fleet.profile}{ENGINES[engine]}"
     if profile not in PROFILES:
         raise ValueError(f"{w.name}@{engine}: no {engine} profile of {w.fleet.profile} (bench/profiles.py)")
     return dataclasses.replace(w, name=f"{w.name}@{engine}", fleet=dataclasses.replace(w.fleet, profile=profile),

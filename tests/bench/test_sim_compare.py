@@ -353,8 +353,9 @@ def test_the_simulated_lb_learns_which_engines_preempt_as_the_daemon_does_from_v
 
     tight = views(spp.working_point("h100-llama3-8b", {"kv_tokens": 4096, "decode_reserve": 0}))
     assert all(v.overcommits == (preempted > 0) for v, preempted in tight) and any(v.overcommits for v, _ in tight)
-    sglang = views("tiny-sglang", 20.0)  # SGLang's retractions, which /v1/loads does not count
-    assert any(preempted for _, preempted in sglang) and not any(v.overcommits for v, _ in sglang)
+    sglang = views("tiny-sglang", 20.0)  # SGLang's retractions, as /v1/loads says them (its last window)
+    assert any(preempted for _, preempted in sglang) and any(v.overcommits for v, _ in sglang)
+    assert all(preempted for v, preempted in sglang if v.overcommits)
 
 
 def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_path, monkeypatch, capsys):
@@ -671,10 +672,12 @@ def test_a_workload_runs_on_sglangs_scheduler_and_lb_hears_its_retractions(tmp_p
     as a preemption, as they take vLLM's counter."""
     from bench.sim import compare, workloads_sim
 
-    assert workloads_sim.get("reasoning@sglang").fleet.profile == "l4-llama3-8b-sglang"
+    assert workloads_sim.get("reasoning@sglang").fleet.profile == "l4-llama3-8b-sglang-fcfs"
+    assert workloads_sim.get("reasoning@sglang-lpm").fleet.profile == "l4-llama3-8b-sglang"
     big = workloads_sim.get("regions*2@sglang")
-    assert (big.name, big.fleet.regions[0].replicas, big.fleet.profile) == ("regions*2@sglang", 4, "l4-llama3-8b-sglang")
-    with pytest.raises(ValueError, match="the engine after '@' is one of vllm, sglang"):
+    assert (big.name, big.fleet.regions[0].replicas, big.fleet.profile) == ("regions*2@sglang", 4,
+                                                                          "l4-llama3-8b-sglang-fcfs")
+    with pytest.raises(ValueError, match="the engine after '@' is one of vllm, sglang, sglang-lpm"):
         workloads_sim.get("tot@tgi")
     assert workloads_sim.get("tot@vllm") is workloads_sim.get("tot")
 
