@@ -25,6 +25,7 @@ class EngineLoad:
     # requests it preempted in its last stats window (SGLang's /v1/loads `queues.retracted`: a
     # count that starts over every 40 decode batches, so it says "lately", not how many in all)
     retracted_lately: int | None = None
+    reserves: bool = False  # it reserves KV for answers at admission (SGLang), so preempts only short of its estimate
 
 
 def _dp_ranks(value: object) -> list[dict]:
@@ -51,6 +52,7 @@ def parse_sglang_v1_loads(body: bytes) -> EngineLoad:
         kv_total_tokens=sum(r["max_total_num_tokens"] for r in ranks) if sized else None,
         max_running=sum(caps) if all(isinstance(c, int) and c > 0 for c in caps) else None,
         retracted_lately=sum(retracted) if retracted and all(isinstance(n, int) for n in retracted) else None,
+        reserves=True,
     )
 
 
@@ -65,7 +67,7 @@ def parse_sglang_get_load(body: bytes) -> EngineLoad:
     ranks = _dp_ranks(doc)
     pending = sum(int(r["num_waiting_reqs"]) for r in ranks)
     total = sum(int(r.get("num_reqs", 0)) for r in ranks)
-    return EngineLoad(pending=pending, running=max(0, total - pending))
+    return EngineLoad(pending=pending, running=max(0, total - pending), reserves=True)
 
 
 def samples(text: bytes, name: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -110,7 +112,7 @@ def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
 
 
 def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0,
-                    preemptions: str | None = None) -> Callable[[bytes], EngineLoad]:
+                    preemptions: str | None = None, reserves: bool = False) -> Callable[[bytes], EngineLoad]:
     names = [n for n in (pending, running, kv, preemptions) if n]
 
     def parse(body: bytes) -> EngineLoad:
@@ -123,6 +125,7 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
             running=int(vals[running]) if running in vals else None,
             kv_usage=None if kv_usage is None else kv_usage * kv_scale,
             preemptions=vals.get(preemptions) if preemptions else None,
+            reserves=reserves,
         )
 
     parse.__name__ = f"parse_{pending.split(':')[0]}_metrics"
@@ -132,7 +135,7 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
 # the retraction counter: SGLang's /metrics since 2025 (`sglang:num_retracted_reqs` beside it is a
 # gauge of the last stats window, zeroed at each log: no total)
 parse_sglang_metrics = _metrics_parser("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
-                                       preemptions="sglang:num_retracted_requests_total")
+                                       preemptions="sglang:num_retracted_requests_total", reserves=True)
 _VLLM_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # the latter: before v0.10
 _VLLM_CACHE_INFO = b"vllm:cache_config_info"
 

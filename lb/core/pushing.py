@@ -116,26 +116,32 @@ def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -
     Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why), with what waits there and the
     unseen pushes under what it runs (at least OVERCOMMIT_QUEUE)."""
     unseen = view.pushed_since_probe
-    return (view.overcommits and view.healthy and not view.draining and unseen < max_unseen
+    return (view.requeues and view.healthy and not view.draining and unseen < max_unseen
             and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
 
 
-def note_preemptions(view: ReplicaView, total: float | None, at: float, lately: int | None = None) -> None:
-    """A probe's preemption counter (None: the engine does not say), the probe sent at `at`:
-    once it has grown, the engine is known to admit past its free KV (`OVERCOMMIT_UNSEEN`),
-    and `preempted_at` says when it last did. A counter that went down is a restarted engine:
-    it starts over from there. `lately`: what an engine that keeps no total says instead, the
-    requests it preempted in its last stats window (SGLang's retractions): any is one now."""
-    if lately:
-        view.overcommits = True
+def note_preemptions(view: ReplicaView, total: float | None, at: float, *, lately: int | None = None,
+                     reserves: bool = False) -> None:
+    """A probe's preemption counter (None: the engine does not say), the probe sent at `at`.
+    Once it has grown the engine is known to keep what it preempts in its own queue
+    (`requeues`: `holder_queue_open`), and `preempted_at` says when it last did. A counter that
+    went down is a restarted engine: it starts over from there. `lately`: what an engine that
+    keeps no total says instead, the requests it preempted in its last stats window (SGLang's
+    `/v1/loads` retractions): any is one now.
+
+    `reserves`: the engine reserves KV for the answers it admits (SGLang's new-token ratio), so
+    a preemption says its estimate fell short, not that the probed free KV undersells what it
+    admits as an engine admitting by prompt blocks does (vLLM: `overcommits`, the floor of
+    unseen pushes `OVERCOMMIT_UNSEEN`). That floor on SGLang's engines cost throughput where
+    documents and chats share a fleet (docs/results.md)."""
+    seen, grown = view.preemptions_seen, bool(lately)
+    if total is not None:
+        grown = grown or (seen is not None and total > seen)
+        view.preemptions_seen = total
+    if grown:
+        view.requeues = True
+        view.overcommits = view.overcommits or not reserves
         view.preempted_at = at
-    if total is None:
-        return
-    seen = view.preemptions_seen
-    if seen is not None and total > seen:
-        view.overcommits = True
-        view.preempted_at = at
-    view.preemptions_seen = total
 
 
 def _slow_start_full(view: ReplicaView, unseen: int) -> bool:

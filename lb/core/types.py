@@ -63,9 +63,11 @@ class ReplicaView:
     # with that many running: a cap once a later probe shows the same after an answer ended
     cap_seen: tuple[int, int] | None = None
     completions: int = 0  # answers that ended on it (lb.core.pushing.settle_completion)
-    # the engine's preemption counter at the last probe that had one, and whether it has ever
-    # grown: an engine that preempts admits past its free KV (lb.core.pushing.note_preemptions)
+    # the engine's preemption counter at the last probe that had one; whether it has ever
+    # preempted, so it keeps requests in its own queue; and whether it admits past its free KV
+    # when it does (an engine that admits by prompt blocks; lb.core.pushing.note_preemptions)
     preemptions_seen: float | None = None
+    requeues: bool = False
     overcommits: bool = False
     # when a probe last saw that counter grow: a request is not held for a replica that has
     # preempted lately beside a free one that has not and would idle (AffinityScheduler.hold)

@@ -275,7 +275,9 @@ def build_app(cfg: Config) -> web.Application:
                                        else "learned" if v.learned_max_running is not None else None),
                 # until a cap is known: the most seen running with none waiting (SP-P's slow start)
                 "proven_running": v.proven_running,
-                # its preemption counter has grown: it admits past its free KV (SP-P's floor)
+                # it has preempted, so it keeps requests in its own queue (a holder's queue opens)
+                "requeues": v.requeues,
+                # ...and admits past its free KV when it does (vLLM, not SGLang: SP-P's floor)
                 "overcommits": v.overcommits,
                 # how long ago a probe last saw it preempt (None: never): no hold for it meanwhile
                 "preempted_s_ago": (None if v.preempted_at is None

@@ -139,8 +139,9 @@ class _ReplicaCollector:
             "healthy": GaugeMetricFamily("lb_replica_healthy", "1 if probes succeed", labels=["replica"]),
             "available": GaugeMetricFamily("lb_replica_available", "1 if the pushing mode would push to it now", labels=["replica"]),
             "draining": GaugeMetricFamily("lb_replica_draining", "1 if removed and finishing in-flight requests", labels=["replica"]),
-            "overcommits": GaugeMetricFamily("lb_replica_overcommits", "1 once its engine was seen to preempt: it admits "
-                                             "past its free KV, and selective pushing allows it a floor of unseen pushes",
+            "overcommits": GaugeMetricFamily("lb_replica_overcommits", "1 once its engine was seen to preempt admitting "
+                                             "by prompt blocks (vLLM): it admits past its free KV, and selective pushing "
+                                             "allows it a floor of unseen pushes",
                                              labels=["replica"]),
             "leased": GaugeMetricFamily("lb_replica_leased_tokens", "KV tokens of contexts that interactions under way "
                                         "will come back for, kept out of selective pushing's headroom (lb.core.leases)",

@@ -154,7 +154,7 @@ class Prober:
                     view.kv_usage = load.kv_usage
                 view.kv_free_tokens, view.max_running = load.kv_free_tokens, load.max_running
                 view.kv_total_tokens = load.kv_total_tokens
-                note_preemptions(view, load.preemptions, t0, load.retracted_lately)
+                note_preemptions(view, load.preemptions, t0, lately=load.retracted_lately, reserves=load.reserves)
             else:
                 view.kv_free_tokens = view.max_running = view.kv_total_tokens = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)

@@ -352,10 +352,10 @@ def test_the_simulated_lb_learns_which_engines_preempt_as_the_daemon_does_from_v
         return [(rep.view, rep.engine.counters.preemptions) for rep in arena.replicas]
 
     tight = views(spp.working_point("h100-llama3-8b", {"kv_tokens": 4096, "decode_reserve": 0}))
-    assert all(v.overcommits == (preempted > 0) for v, preempted in tight) and any(v.overcommits for v, _ in tight)
+    assert all(v.overcommits == v.requeues == (preempted > 0) for v, preempted in tight) and any(v.overcommits for v, _ in tight)
     sglang = views("tiny-sglang", 20.0)  # SGLang's retractions, as /v1/loads says them (its last window)
-    assert any(preempted for _, preempted in sglang) and any(v.overcommits for v, _ in sglang)
-    assert all(preempted for v, preempted in sglang if v.overcommits)
+    assert any(preempted for _, preempted in sglang) and any(v.requeues for v, _ in sglang)
+    assert all(preempted for v, preempted in sglang if v.requeues) and not any(v.overcommits for v, _ in sglang)
 
 
 def test_sim_compare_runs_named_systems_and_an_operators_own_config_file(tmp_path, monkeypatch, capsys):
@@ -686,7 +686,7 @@ def test_a_workload_runs_on_sglangs_scheduler_and_lb_hears_its_retractions(tmp_p
     arena.loop.run(90.0)
     retracted = [r for r in arena.replicas if r.engine.counters.preemptions]
     assert retracted and all(r.engine.profile.new_token_ratio is not None for r in arena.replicas)
-    assert all(r.view.overcommits and r.view.preempted_at is not None for r in retracted)
+    assert all(r.view.requeues and r.view.preempted_at is not None and not r.view.overcommits for r in retracted)
 
     monkeypatch.setattr(workloads_sim.WORKLOADS["tot"], "duration_s", 15.0)
     args = compare.argparse.Namespace(workload="tot", seeds=1, quick=True, out=str(tmp_path), load=0.9,

@@ -34,7 +34,7 @@ def test_sglang_v1_loads_sums_ranks():
     body = orjson.dumps({"timestamp": 1, "loads": [
         {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.5},
         {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.75}]})
-    assert loadparse.parse_sglang_v1_loads(body) == loadparse.EngineLoad(pending=2, running=4, kv_usage=0.75)
+    assert loadparse.parse_sglang_v1_loads(body) == loadparse.EngineLoad(pending=2, running=4, kv_usage=0.75, reserves=True)
 
 
 def test_sglang_v1_loads_with_sizes_gives_the_free_room_of_one_rank_and_the_whole_cache():
@@ -70,7 +70,7 @@ def test_sglang_v1_loads_says_what_it_retracted_lately_and_its_metrics_the_total
 
 def test_sglang_get_load_list_and_old_shapes():
     body = orjson.dumps([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100}])
-    assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3)
+    assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3, reserves=True)
     with pytest.raises(ValueError):
         loadparse.parse_sglang_get_load(b'{"load": 4}')  # no pending count: fall back
     with pytest.raises(ValueError):
@@ -95,7 +95,7 @@ sglang:token_usage{model_name="m"} 0.9
 def test_metrics_parsers_pick_their_engine_and_sum_labels():
     assert loadparse.parse_vllm_metrics(METRICS) == loadparse.EngineLoad(4, 7, 0.25)
     assert loadparse.parse_llamacpp_metrics(METRICS) == loadparse.EngineLoad(4, 2, None)
-    assert loadparse.parse_sglang_metrics(METRICS) == loadparse.EngineLoad(6, 8, 0.9)
+    assert loadparse.parse_sglang_metrics(METRICS) == loadparse.EngineLoad(6, 8, 0.9, reserves=True)
     with pytest.raises(ValueError):
         loadparse.parse_vllm_metrics(b"llamacpp:requests_deferred 1\n")
 

@@ -29,7 +29,7 @@ def other(rid: str) -> RequestFacts:
     return RequestFacts(rid, "m", prompt=f"an unrelated question {rid} " * 100, prompt_tokens=1000)
 
 
-def run(overcommits: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]:
+def run(requeues: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]:
     """Replica `a` took a tree's root, then its engine filled (requests waiting there: SP-P's gate
     shuts); `b` is free. Three of the tree's calls and one unrelated request arrive."""
     s = Scheduler(SchedulerConfig(pushing=pushing, affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
@@ -38,7 +38,7 @@ def run(overcommits: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]
     s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
     assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
     a.view.pending, a.view.running, a.view.pushed_since_probe = 3, 6, 0  # its probe: full, 3 waiting
-    a.view.overcommits = overcommits
+    a.view.requeues = requeues
     for i, f in enumerate([child("c1"), child("c2"), other("x"), child("c3")]):
         s.admit(QueueEntry(f, enqueued_at=NOW, seq=i + 1), NOW)
     b.view.pending = 1  # the other replica's engine is full too: nothing is free
@@ -46,7 +46,7 @@ def run(overcommits: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]
 
 
 def test_a_held_request_joins_its_prefix_holders_own_queue_when_that_engine_preempts():
-    a, _, out = run(overcommits=True)
+    a, _, out = run(requeues=True)
     got = {p.entry.facts.request_id: (p.kind, p.target_id) for p in out}
     # what waits there plus the unseen pushes stay under max(OVERCOMMIT_QUEUE, running): 3 + 5 < 8
     assert got["c1"] == (Kind.REPLICA, "a") and got["c2"] == (Kind.REPLICA, "a") and got["c3"] == (Kind.REPLICA, "a")
@@ -57,14 +57,14 @@ def test_a_held_request_joins_its_prefix_holders_own_queue_when_that_engine_pree
 
 
 def test_an_engine_that_does_not_preempt_keeps_sp_ps_gate_and_blind_pushing_is_unchanged():
-    _, _, out = run(overcommits=False)
+    _, _, out = run(requeues=False)
     assert out == []  # no replica free, none keeping a queue: everything waits in the LB
-    a, b, out = run(overcommits=True, pushing="blind")
+    a, b, out = run(requeues=True, pushing="blind")
     assert len([p for p in out if p.kind is Kind.REPLICA]) == 4  # blind pushing takes everything anyway
 
 
 def test_the_holders_queue_is_bounded_by_what_its_engine_runs():
-    v = ReplicaView(id="a", url="", engine="vllm", overcommits=True, pending=3, running=6)
+    v = ReplicaView(id="a", url="", engine="vllm", requeues=True, pending=3, running=6)
     assert holder_queue_open(v)
     v.pushed_since_probe = OVERCOMMIT_QUEUE - 3  # 8 waiting or unseen: the floor reached
     assert not holder_queue_open(v)
@@ -72,9 +72,9 @@ def test_the_holders_queue_is_bounded_by_what_its_engine_runs():
     assert holder_queue_open(v)
     v.pushed_since_probe = 17
     assert not holder_queue_open(v)
-    v.pushed_since_probe, v.overcommits = 0, False
+    v.pushed_since_probe, v.requeues = 0, False
     assert not holder_queue_open(v)  # an engine not seen to preempt: SP-P's gate alone
-    v.overcommits, v.draining = True, True
+    v.requeues, v.draining = True, True
     assert not holder_queue_open(v)
 
 
@@ -90,7 +90,7 @@ def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
         a, b, c = Rep("a"), Rep("b"), Rep("c")
         s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
         assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
-        a.view.pending, a.view.running, a.view.overcommits = 20, 40, True  # it runs 40: room for 20 more
+        a.view.pending, a.view.running, a.view.requeues = 20, 40, True  # it runs 40: room for 20 more
         b.view.pending = c.view.pending = others_waiting  # both full too: nothing is free
         b.view.running = c.view.running = 10
         for i in range(3):
@@ -112,7 +112,7 @@ def held(preempted_at: dict[str, float], behind: int = 0) -> list:
     s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
     assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
     a.view.pending, a.view.running, a.view.pushed_since_probe = 3, 6, 0
-    a.view.overcommits = b.view.overcommits = True
+    a.view.requeues = b.view.requeues = True
     a.view.preempted_at, b.view.preempted_at = preempted_at.get("a"), preempted_at.get("b")
     s.admit(QueueEntry(child("c1"), enqueued_at=NOW, seq=1), NOW)
     for i in range(behind):

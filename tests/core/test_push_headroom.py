@@ -241,7 +241,7 @@ def test_an_engine_seen_to_preempt_takes_a_floor_of_unseen_pushes_whatever_its_f
     assert not v.overcommits and v.preempted_at is None
     note_preemptions(v, 15.0, 4.0)
     assert v.preempted_at == 4.0  # when the probe that saw it grow was sent
-    assert v.overcommits and pushes() == OVERCOMMIT_UNSEEN
+    assert v.overcommits and v.requeues and pushes() == OVERCOMMIT_UNSEEN
     v.kv_free_tokens, v.max_running = 100_000, 256  # room beyond the floor still counts
     assert pushes() > OVERCOMMIT_UNSEEN
     v.kv_free_tokens, v.pending = 300, 1
@@ -252,27 +252,26 @@ def test_an_engine_seen_to_preempt_takes_a_floor_of_unseen_pushes_whatever_its_f
 
 def test_an_engine_that_says_it_preempted_lately_is_marked_at_each_probe_that_says_so():
     """SGLang keeps no total on /v1/loads: it says how many it retracted in its last stats
-    window. Any is a preemption now; none leaves the last time as it was."""
-    from lb.core.pushing import note_preemptions
+    window. Any is a preemption now; none leaves the last time as it was. SGLang reserves KV
+    for the answers it admits, so a retraction opens its holder's queue and ends holds for it,
+    but gives no floor of unseen pushes: its probed free KV does not undersell what it admits."""
+    from lb.core.pushing import OVERCOMMIT_UNSEEN, note_preemptions
 
     v = view(kv_free_tokens=300, kv_total_tokens=4096)
-    note_preemptions(v, None, 1.0, 0)
-    assert not v.overcommits and v.preempted_at is None
-    note_preemptions(v, None, 2.0, 3)
-    assert v.overcommits and v.preempted_at == 2.0
-    note_preemptions(v, None, 2.1, 3)  # the same window seen again: still lately
+    note_preemptions(v, None, 1.0, lately=0, reserves=True)
+    assert not v.requeues and v.preempted_at is None
+    note_preemptions(v, None, 2.0, lately=3, reserves=True)
+    assert v.requeues and not v.overcommits and v.preempted_at == 2.0
+    note_preemptions(v, None, 2.1, lately=3, reserves=True)  # the same window seen again: still lately
     assert v.preempted_at == 2.1
-    note_preemptions(v, None, 3.0, 0)
-    assert v.overcommits and v.preempted_at == 2.1
-
-
-def test_vllm_metrics_carry_its_preemption_counter():
-    from lb.core.loadparse import parse_vllm_metrics
-
-    page = (b'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
-            b'vllm:num_requests_running{engine="0",model_name="m"} 9.0\n'
-            b'vllm:num_preemptions_total{engine="0",model_name="m"} 73.0\n')
-    assert parse_vllm_metrics(page).preemptions == 73.0
-    assert parse_vllm_metrics(page.split(b"vllm:num_preemptions")[0]).preemptions is None
-    real = (Path(__file__).parents[1] / "data" / "vllm-0.25.1-h200-metrics-idle.txt").read_bytes()
-    assert parse_vllm_metrics(real).preemptions == 0.0  # a real GPU vLLM's page names it so
+    note_preemptions(v, None, 3.0, lately=0, reserves=True)
+    assert v.requeues and v.preempted_at == 2.1
+    n = 0
+    while has_headroom(v) and n < 100:
+        v.pushed_since_probe += 1
+        v.pushed_tokens_since_probe += 488
+        n += 1
+    assert n == 1 < OVERCOMMIT_UNSEEN  # the first after a probe, then its free KV is spent
+    note_preemptions(v, 5.0, 4.0, reserves=True)  # SGLang's /metrics counter: the same reading
+    note_preemptions(v, 7.0, 5.0, reserves=True)
+    assert v.preempted_at == 5.0 and not v.overcommits
