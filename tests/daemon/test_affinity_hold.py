@@ -18,6 +18,12 @@ pytestmark = needs_emulator
 
 PREFIX = "Background for every question in this conversation: " + "the ledger balances. " * 30
 FILLER = "Unrelated long work to keep the engine queue full. " * 16  # ~200 tokens
+# The holder is busy, not preempting: its engine reserves a filler's whole answer (200 tokens)
+# at admission, so 5 fillers run and 11 wait. On tiny's default reservation (16) it admitted
+# more than could decode and preempted, and lb holds nothing for a holder that preempts beside
+# a free replica that does not (tests/core/test_affinity.py): since lb hears SGLang's
+# retractions, these engines' faces told it so.
+BUSY_WITHOUT_PREEMPTING = ("--decode-reserve", "200")
 
 
 async def post(s: aiohttp.ClientSession, url: str, content: str, max_tokens: int) -> str:
@@ -62,8 +68,9 @@ async def scenario(lb_url: str, emu_urls: dict[str, str]) -> tuple[str, str, flo
 
 def two_replicas_behind_lb(tmp_path, hold_s: float, run, *lb_args: str) -> tuple[tuple, list[dict]]:
     """`run(lb_url, {replica: emulator url})` against a real lb (SP-P, SGLang faces, probes every
-    20 ms) over two emulators; its result and lb's access log."""
-    emus = [start_emulator("--speed", "1", name=f"emu{i}") for i in range(2)]
+    20 ms) over two emulators; its result and lb's access log. The engines reserve each filler's
+    whole answer (`BUSY_WITHOUT_PREEMPTING`)."""
+    emus = [start_emulator("--speed", "1", *BUSY_WITHOUT_PREEMPTING, name=f"emu{i}") for i in range(2)]
     urls = {u.removeprefix("http://"): u for _, u in emus}
     cfg = tmp_path / "lb.toml"
     cfg.write_text(f"[probes]\ninterval_s = 0.02\n[affinity]\nhold_s = {hold_s}\nmax_bypass_s = 60.0\n")

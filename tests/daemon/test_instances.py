@@ -21,7 +21,7 @@ import pytest
 
 from lb.core.affinity import AffinityConfig
 from tests.daemon.conftest import http_json, needs_emulator, start_emulator, start_lb
-from tests.daemon.test_affinity_hold import conversation
+from tests.daemon.test_affinity_hold import BUSY_WITHOUT_PREEMPTING, conversation
 from tests.procs import metric, poll
 
 pytestmark = [needs_emulator, pytest.mark.timeout(90)]
@@ -134,7 +134,7 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
     case: tests/daemon/test_affinity_hold.py)."""
     urls = {}
     for i in range(2):
-        emu, url = start_emulator("--speed", "1", name=f"emu-turns-{i}")
+        emu, url = start_emulator("--speed", "1", *BUSY_WITHOUT_PREEMPTING, name=f"emu-turns-{i}")
         procs.append(emu)
         urls[url.removeprefix("http://")] = url
     cfg = tmp_path / "lb-turns.toml"
