@@ -224,7 +224,7 @@ class SimReplica:
         (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
         v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately = state
-        note_preemptions(v, preempted, at, lately=lately, reserves=lately is not None)  # SGLang's say lately
+        note_preemptions(v, preempted, at, lately=lately)
         v.last_probe_at = at
         v.probe_s = self.probe_s
         # No `answering_at_start`: the simulated LB hears an answer end the instant the engine

@@ -67,7 +67,7 @@ def parse_sglang_get_load(body: bytes) -> EngineLoad:
     ranks = _dp_ranks(doc)
     pending = sum(int(r["num_waiting_reqs"]) for r in ranks)
     total = sum(int(r.get("num_reqs", 0)) for r in ranks)
-    return EngineLoad(pending=pending, running=max(0, total - pending), reserves=True)
+    return EngineLoad(pending=pending, running=max(0, total - pending))
 
 
 def samples(text: bytes, name: bytes) -> Iterator[tuple[bytes, bytes]]:

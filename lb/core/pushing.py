@@ -129,11 +129,12 @@ def note_preemptions(view: ReplicaView, total: float | None, at: float, *, latel
     keeps no total says instead, the requests it preempted in its last stats window (SGLang's
     `/v1/loads` retractions): any is one now.
 
-    `reserves`: the engine reserves KV for the answers it admits (SGLang's new-token ratio), so
-    a preemption says its estimate fell short, not that the probed free KV undersells what it
-    admits as an engine admitting by prompt blocks does (vLLM: `overcommits`, the floor of
-    unseen pushes `OVERCOMMIT_UNSEEN`). That floor on SGLang's engines cost throughput where
-    documents and chats share a fleet (docs/results.md)."""
+    `reserves`: the engine reserves KV for the answers it admits (SGLang's new-token ratio; an
+    engine that says `lately` is SGLang), so a preemption says its estimate fell short, not
+    that the probed free KV undersells what it admits as an engine admitting by prompt blocks
+    does (vLLM: `overcommits`, the floor of unseen pushes `OVERCOMMIT_UNSEEN`). That floor on
+    SGLang's engines cost throughput where documents and chats share a fleet (docs/results.md)."""
+    reserves = reserves or lately is not None
     seen, grown = view.preemptions_seen, bool(lately)
     if total is not None:
         grown = grown or (seen is not None and total > seen)

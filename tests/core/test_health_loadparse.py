@@ -70,7 +70,7 @@ def test_sglang_v1_loads_says_what_it_retracted_lately_and_its_metrics_the_total
 
 def test_sglang_get_load_list_and_old_shapes():
     body = orjson.dumps([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100}])
-    assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3, reserves=True)
+    assert loadparse.parse_sglang_get_load(body) == loadparse.EngineLoad(pending=2, running=3)
     with pytest.raises(ValueError):
         loadparse.parse_sglang_get_load(b'{"load": 4}')  # no pending count: fall back
     with pytest.raises(ValueError):
