@@ -24,6 +24,7 @@ from bench.profiles import PROFILES
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Surge, Timed
 from bench.workloads import make_workload
+from bench.workloads import long_short
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
 from bench.workloads.reasoning import Reasoning
@@ -292,32 +293,20 @@ def reasoning_calls(seed: int) -> Iterator[Timed]:
         yield Timed(d.at, Call(f"reason-{d.i}", "local", tokens, d.answer_tokens, user=f"reason-{d.i % 64}"))
 
 
-# Long and short prompts on one fleet: a chat service (4 system prompts of 300 tokens, a
-# 100-token question, 200-token answers) where one request in ten is a unique 6,000-token
-# document to summarize (300-token answers), Poisson arrivals. Synthetic, held out (added after
-# the policy was settled, thirty-sixth session): a long prompt's prefill takes a replica's steps
-# for seconds, and the chat requests that land behind it wait, the head-of-line blocking a
-# router can steer around or not.
-LONG_SHORT_CHAT = (4, 300, 100, 200)  # system prompts, their tokens, question tokens, answer tokens
-LONG_SHORT_DOC = (6000, 300)  # document tokens, answer tokens
-LONG_SHORT_DOC_SHARE = 0.1
-
-
+# Long and short prompts on one fleet: the live `long-short` workload's draws
+# (bench/workloads/long_short.py says what and why), each system prompt one range of token ids,
+# each question and each document its own.
 def long_short_calls(seed: int) -> Iterator[Timed]:
-    rng = rng_for(seed, "long-short")
-    systems, system_tokens, question_tokens, answer_tokens = LONG_SHORT_CHAT
-    doc_tokens, doc_answer = LONG_SHORT_DOC
-    t = 0.0
-    for i in itertools.count():
-        t += rng.expovariate(1.0)
-        if rng.random() < LONG_SHORT_DOC_SHARE:
-            start = (2 << 48) + (i << 16)  # a document of its own: no block shared with any other
-            yield Timed(t, Call(f"doc-{i}", "local", list(range(start, start + doc_tokens)), doc_answer,
-                                user=f"doc-{i % 32}"))
+    _, system_tokens, question_tokens, answer_tokens = long_short.CHAT
+    doc_tokens, doc_answer = long_short.DOC
+    for d in long_short.draws(seed):
+        if d.system is None:
+            start = (2 << 48) + (d.i << 16)  # a document of its own: no block shared with any other
+            yield Timed(d.at, Call(f"doc-{d.i}", "local", list(range(start, start + doc_tokens)), doc_answer,
+                                   user=f"doc-{d.i % 32}"))
         else:
-            k = rng.randrange(systems)
-            yield Timed(t, Call(f"chat-{i}", "local", prefixed_prompt(k, system_tokens, i, question_tokens),
-                                answer_tokens, user=f"chat-{i % 64}"))
+            yield Timed(d.at, Call(f"chat-{d.i}", "local", prefixed_prompt(d.system, system_tokens, d.i, question_tokens),
+                                   answer_tokens, user=f"chat-{d.i % 64}"))
 
 
 # -- the registry -------------------------------------------------------------------------

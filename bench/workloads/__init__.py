@@ -10,6 +10,7 @@ from typing import Callable
 from bench.workloads.agent import Agent
 from bench.workloads.azure_conv import AzureConv
 from bench.workloads.base import ClosedLoopWorkload, OpenLoopWorkload, RequestSpec
+from bench.workloads.long_short import LongShort
 from bench.workloads.mixed_tree import MixedTree
 from bench.workloads.mooncake import Mooncake
 from bench.workloads.multiturn import MultiTurn
@@ -28,6 +29,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "shared-prefix": SharedPrefix,
     "agent": Agent,
     "reasoning": Reasoning,
+    "long-short": LongShort,
 }
 
 

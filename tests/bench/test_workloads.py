@@ -167,7 +167,7 @@ def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
     assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent",
-                              "reasoning"}
+                              "reasoning", "long-short"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -255,6 +255,25 @@ def test_reasoning_sends_what_the_simulator_sends_and_keeps_each_request_inside_
         assert system + question + spec.max_tokens <= live.context
     assert len({s.meta["system"] for s in specs}) == 8 and specs[-1].at > 300  # Poisson at 1 req/s
     assert sorted(s.max_tokens for s in specs)[250] in range(500, 900)  # median answer ~700 tokens
+
+
+def test_long_short_sends_what_the_simulator_sends():
+    from bench.sim.workloads_sim import long_short_calls
+
+    specs = list(itertools.islice(make_workload("long-short", seed=1, total_rps=2.0).arrivals(), 1000))
+    timed = list(itertools.islice(long_short_calls(1), 1000))
+    systems = {}
+    for spec, t in zip(specs, timed):
+        words = sum(len(m["content"].split()) for m in spec.messages)
+        assert words == len(t.call.tokens) and spec.max_tokens == t.call.output_tokens and spec.user == t.call.user
+        assert spec.at == pytest.approx(t.at / 2.0)  # the same arrivals at the asked rate
+        if spec.meta["kind"] == "chat":
+            systems.setdefault(spec.meta["system"], set()).add(spec.messages[0]["content"])
+    assert sorted(systems) == [0, 1, 2, 3] and all(len(texts) == 1 for texts in systems.values())  # one text each
+    docs = [s for s in specs if s.meta["kind"] == "doc"]
+    assert 60 < len(docs) < 140 and len({d.messages[0]["content"] for d in docs}) == len(docs)  # a tenth, each unique
+    with pytest.raises(ValueError, match="long-short: total_rps must be > 0"):
+        make_workload("long-short", total_rps=0)
 
 
 @pytest.mark.parametrize("params, message", [({"total_rps": 0}, "total_rps must be > 0"),
