@@ -23,8 +23,7 @@ from bench import traces
 from bench.profiles import PROFILES
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Surge, Timed
-from bench.workloads import make_workload
-from bench.workloads import long_short
+from bench.workloads import long_short, make_workload
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
 from bench.workloads.reasoning import Reasoning
