@@ -334,6 +334,7 @@ class Emulator:
             "host": request.host, "dp_size": 1, "tp_size": 1, "page_size": p.block_size,
             "max_total_num_tokens": p.kv_tokens, "max_running_requests": p.max_running,
             "chunked_prefill_size": p.prefill_budget, "context_length": p.max_model_len,
+            "schedule_policy": p.waiting_order,
             "enable_metrics": True, "enable_cache_report": True, "version": VERSION,
             "internal_states": [{"last_gen_throughput": self.driver.gen_throughput()}],
             "emulator": {"profile": p.name, "speed": self.driver.speed, "seed": self.seed},

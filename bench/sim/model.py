@@ -45,6 +45,7 @@ from lb.core.backlog import forward_cost
 from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
+from lb.core.loadparse import CACHE_AWARE_POLICIES
 from lb.core.pushing import early_probe_delay, note_preemptions, record_push, settle_completion, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
@@ -145,7 +146,8 @@ class SimReplica:
         self.stopped_at: float | None = None
         self.view = ReplicaView(id=id, url=f"sim://{id}", engine="sglang", models=frozenset([model]),
                                 region=region, healthy=ready_at <= loop.now,
-                                max_running=profile.max_running, kv_total_tokens=profile.kv_tokens)
+                                max_running=profile.max_running, kv_total_tokens=profile.kv_tokens,
+                                orders_by_prefix=profile.waiting_order in CACHE_AWARE_POLICIES)
         self.draining = False
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf

@@ -111,6 +111,21 @@ def prometheus_values(text: bytes, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
+# SGLang's `--schedule-policy` values that order its waiting queue by the cache (schedule_policy.py
+# `CacheAwarePolicy`): "lpm" (longest cached prefix first; the default of older releases) and
+# "dfs-weight". Current releases default to "fcfs", arrival order.
+CACHE_AWARE_POLICIES = frozenset({"lpm", "dfs-weight"})
+
+
+def orders_by_prefix(server_info: bytes) -> bool:
+    """SGLang `GET /server_info` (older `/get_server_info`: its server arguments at the top level):
+    does the engine admit a waiting request with a cached prefix ahead of those without one?
+    False for any other shape: an engine that does not say is taken to admit in arrival order."""
+    doc = orjson.loads(server_info)
+    policy = doc.get("schedule_policy") if isinstance(doc, dict) else None
+    return isinstance(policy, str) and policy in CACHE_AWARE_POLICIES
+
+
 def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0,
                     preemptions: str | None = None, reserves: bool = False) -> Callable[[bytes], EngineLoad]:
     names = [n for n in (pending, running, kv, preemptions) if n]

@@ -79,6 +79,15 @@ OVERCOMMIT_UNSEEN = 8
 # throughput at 0.91x the TTFT p90 (blind pushing 1.09x, 0.82x); shared-prefix at 1.3x capacity
 # 1.09x at 0.72x (blind pushing 0.81x, 1.64x).
 OVERCOMMIT_QUEUE = 8
+# An engine that orders its waiting queue by the cache (SGLang `--schedule-policy lpm`, the default
+# of older releases; `ReplicaView.orders_by_prefix`, read from its /server_info) admits a request
+# whose prefix it holds ahead of the requests waiting there without one, so for that request its
+# waiting count is no queue: it joins a holder's queue as above, whether or not the engine
+# preempts. Held out of SP-P's gate, a chat service's requests (300-token system prompts) waited
+# in `lb` or on one holder behind 6,000-token documents the engine would have let them pass:
+# long-short at 1.3x capacity, TTFT p90 6.7 s against the hash ring's 4.2; with this and the
+# least-queued holder (lb.core.scheduler `_holder_queue`) 3.5 s (docs/results.md, forty-second
+# session).
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -113,10 +122,11 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
 
 def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -> bool:
     """May a request whose prefix `view` holds join its engine's own queue, SP-P's gate shut?
-    Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why), with what waits there and the
-    unseen pushes under what it runs (at least OVERCOMMIT_QUEUE)."""
+    Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why) or one that admits the requests
+    whose prefix it holds first (`view.orders_by_prefix`: the note under OVERCOMMIT_QUEUE), with
+    what waits there and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE)."""
     unseen = view.pushed_since_probe
-    return (view.requeues and view.healthy and not view.draining and unseen < max_unseen
+    return ((view.requeues or view.orders_by_prefix) and view.healthy and not view.draining and unseen < max_unseen
             and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
 
 

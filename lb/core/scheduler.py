@@ -488,10 +488,14 @@ class Scheduler:
         return any(holder_queue_open(t.view, max_unseen) for t in queues.values())
 
     def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
-        """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any: it
+        """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
+        those holding its longest match, the one with the least waiting there or unseen): it
         goes into that engine's queue beside its prefix instead of waiting here for it (and
         losing it). The policy is asked with that one candidate, so the placement carries its
-        decision (prefix match, predicted TTFT) as any other does.
+        decision (prefix match, predicted TTFT) as any other does. Asked to choose among the
+        holders instead, the predicted-TTFT policy, which prices prefill ahead but not an
+        engine's waiting queue, did worse than the shortest queue (long-short with `lpm`
+        engines at 1.3x, 3 seeds: TTFT p90 7.0 s against 3.8).
 
         Not while the holder's queue is more than OVERCOMMIT_QUEUE past twice the mean of the
         other replicas' that could serve it (`targets`): then it waits here for any free one.
@@ -510,7 +514,9 @@ class Scheduler:
         depth, blocks, holders = self.affinity.memory.affinity(entry.facts, usable.keys())
         if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
             return None
-        target = usable[holders[0]]
+        # every replica holding the match is as good a cache: the least queued takes it, so a prefix
+        # many requests share (a chat service's system prompt) spreads over its holders
+        target = min((usable[h] for h in holders), key=lambda t: _queued(t.view))
         live = self._live(entry, targets)
         rivals = [_queued(t.view) for t in targets if t is not target and t.view.id in live]
         if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):

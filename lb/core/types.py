@@ -69,6 +69,9 @@ class ReplicaView:
     preemptions_seen: float | None = None
     requeues: bool = False
     overcommits: bool = False
+    # its engine admits a waiting request whose prefix it holds ahead of those without one
+    # (SGLang `--schedule-policy lpm`, from its /server_info; lb.core.pushing.holder_queue_open)
+    orders_by_prefix: bool = False
     # when a probe last saw that counter grow: a request is not held for a replica that has
     # preempted lately beside a free one that has not and would idle (AffinityScheduler.hold)
     preempted_at: float | None = None

@@ -279,6 +279,8 @@ def build_app(cfg: Config) -> web.Application:
                 "requeues": v.requeues,
                 # ...and admits past its free KV when it does (vLLM, not SGLang: SP-P's floor)
                 "overcommits": v.overcommits,
+                # its engine admits what it holds the prefix of first (SGLang lpm): a holder's queue opens
+                "orders_by_prefix": v.orders_by_prefix,
                 # how long ago a probe last saw it preempt (None: never): no hold for it meanwhile
                 "preempted_s_ago": (None if v.preempted_at is None
                                     else round(max(0.0, time.monotonic() - v.preempted_at), 3)),

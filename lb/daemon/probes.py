@@ -23,13 +23,17 @@ import orjson
 
 from lb.core.engines import (LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
                              engine_from_answers)
-from lb.core.loadparse import EngineLoad
+from lb.core.loadparse import EngineLoad, orders_by_prefix
 from lb.core.pushing import early_probe_delay, note_preemptions, probe_gap, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
 from lb.daemon.tls import upstream_ssl
 
 log = logging.getLogger("lb.probes")
+
+# where SGLang says its server arguments: current releases, then older ones
+SERVER_INFO = ("/server_info", "/get_server_info")
+
 
 class ProbeFailed(Exception):
     pass
@@ -141,6 +145,8 @@ class Prober:
             view.probe_s = elapsed
         if ok and not rep.models_known:  # before it turns healthy: /v1/models and /ready agree at once
             await self._discover_models(rep)
+        if ok and (found is not None or rep.policy_known != view.engine):
+            await self._discover_policy(rep)
         was_healthy = view.healthy
         view.healthy = rep.health.record(ok)
         if ok:
@@ -206,6 +212,25 @@ class Prober:
             return  # not every engine lists models (e.g. /generate-only); serve any model
         rep.view.models = ids
         rep.models_known = True
+
+    async def _discover_policy(self, rep: Replica) -> None:
+        """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), read once per
+        engine detected from SGLang's server arguments; other engines admit in arrival order. A
+        replica that did not answer is asked again at its next probe."""
+        view = rep.view
+        view.orders_by_prefix = False
+        if view.engine == "sglang":
+            for path in SERVER_INFO:
+                try:
+                    view.orders_by_prefix = orders_by_prefix(await self._get(rep, path))
+                except ConnectionError:
+                    return
+                except ProbeFailed:  # a release that serves the other path
+                    continue
+                except ValueError:  # not JSON: nothing said, arrival order
+                    pass
+                break
+        rep.policy_known = view.engine
 
 
 def _auth(rep: Replica) -> dict[str, str] | None:

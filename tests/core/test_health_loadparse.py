@@ -182,3 +182,19 @@ def test_samples_finds_only_whole_metric_names_at_line_starts():
         (b'{engine="0"}', b"1"), (b'{engine="1",note="a } b"}', b"2 1700000000"), (b"", b"3")]
     assert loadparse.prometheus_values(page, ["vllm:x", "vllm:x_total", "absent"]) == {"vllm:x": 6.0, "vllm:x_total": 9.0}
     assert list(loadparse.samples(b"", b"vllm:x")) == []
+
+
+def test_sglangs_server_info_says_whether_its_queue_is_ordered_by_cached_prefix():
+    """SGLang's `/server_info` is its server arguments at the top level (`schedule_policy` among
+    them) merged with the scheduler's info; lpm and dfs-weight admit cached prefixes first."""
+    info = {"model_path": "meta-llama/Llama-3.1-8B-Instruct", "chunked_prefill_size": 8192,
+            "max_running_requests": 4096, "schedule_conservativeness": 1.0, "page_size": 1,
+            "internal_states": [{"last_gen_throughput": 0.0}], "version": "0.5.5"}
+    for policy, ordered in (("lpm", True), ("dfs-weight", True), ("fcfs", False), ("lof", False),
+                            ("random", False)):
+        assert loadparse.orders_by_prefix(orjson.dumps({**info, "schedule_policy": policy})) is ordered
+    assert loadparse.orders_by_prefix(orjson.dumps(info)) is False  # not said: arrival order
+    assert loadparse.orders_by_prefix(orjson.dumps({**info, "schedule_policy": ["lpm"]})) is False
+    assert loadparse.orders_by_prefix(b"[]") is False
+    with pytest.raises(ValueError):
+        loadparse.orders_by_prefix(b"<html>not found</html>")

@@ -1,4 +1,5 @@
-"""An engine that preempts keeps its own queue for the prefixes it holds
+"""An engine that preempts, or one that orders its waiting queue by cached prefix (SGLang
+`--schedule-policy lpm`), keeps its own queue for the prefixes it holds
 (lb.core.pushing.holder_queue_open, the scheduler's `_holder_queue`): a request that would wait in
 the LB for its prefix's replica joins that replica's engine queue instead, bounded by what the
 engine runs; a request with nothing cached there still waits in the LB. Time is passed in."""
@@ -29,7 +30,7 @@ def other(rid: str) -> RequestFacts:
     return RequestFacts(rid, "m", prompt=f"an unrelated question {rid} " * 100, prompt_tokens=1000)
 
 
-def run(requeues: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]:
+def run(requeues: bool, pushing: str = "sp-pending", orders_by_prefix: bool = False) -> tuple[Rep, Rep, list]:
     """Replica `a` took a tree's root, then its engine filled (requests waiting there: SP-P's gate
     shuts); `b` is free. Three of the tree's calls and one unrelated request arrive."""
     s = Scheduler(SchedulerConfig(pushing=pushing, affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
@@ -38,7 +39,7 @@ def run(requeues: bool, pushing: str = "sp-pending") -> tuple[Rep, Rep, list]:
     s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
     assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
     a.view.pending, a.view.running, a.view.pushed_since_probe = 3, 6, 0  # its probe: full, 3 waiting
-    a.view.requeues = requeues
+    a.view.requeues, a.view.orders_by_prefix = requeues, orders_by_prefix
     for i, f in enumerate([child("c1"), child("c2"), other("x"), child("c3")]):
         s.admit(QueueEntry(f, enqueued_at=NOW, seq=i + 1), NOW)
     b.view.pending = 1  # the other replica's engine is full too: nothing is free
@@ -61,6 +62,45 @@ def test_an_engine_that_does_not_preempt_keeps_sp_ps_gate_and_blind_pushing_is_u
     assert out == []  # no replica free, none keeping a queue: everything waits in the LB
     a, b, out = run(requeues=True, pushing="blind")
     assert len([p for p in out if p.kind is Kind.REPLICA]) == 4  # blind pushing takes everything anyway
+
+
+def test_an_engine_that_orders_its_queue_by_prefix_keeps_a_holders_queue_without_preempting():
+    """It admits a request whose prefix it holds ahead of those waiting without one, so its
+    waiting count is no queue for that request; one with nothing cached there would wait behind
+    them, and waits in the LB."""
+    a, _, out = run(requeues=False, orders_by_prefix=True)
+    got = {p.entry.facts.request_id: (p.kind, p.target_id) for p in out}
+    assert got == {c: (Kind.REPLICA, "a") for c in ("c1", "c2", "c3")}
+    v = ReplicaView(id="a", url="", engine="sglang", orders_by_prefix=True, pending=3, running=6)
+    assert holder_queue_open(v)
+    v.pushed_since_probe = OVERCOMMIT_QUEUE - 3  # bounded as for an engine that preempts
+    assert not holder_queue_open(v)
+
+
+def test_of_the_replicas_holding_a_prefix_the_least_queued_takes_the_request():
+    """A system prompt that many requests share is held by several replicas: the one with the
+    fewest waiting there (or pushed since its probe) takes the next request, whichever the trie
+    names first, so the prompt's requests spread over its holders instead of queueing on one."""
+
+    def placed(busier: str) -> list:
+        s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
+                      make_queue("fcfs"))
+        a, b, c = Rep("a"), Rep("b"), Rep("c")
+        s.admit(QueueEntry(child("r1"), enqueued_at=NOW - 2, seq=0), NOW - 2)
+        assert [p.target_id for p in s.schedule(NOW - 2, [a])] == ["a"]
+        s.admit(QueueEntry(child("r2"), enqueued_at=NOW - 1, seq=1), NOW - 1)
+        assert [p.target_id for p in s.schedule(NOW - 1, [b])] == ["b"]  # both hold the context now
+        for rep in (a, b):
+            rep.view.pending, rep.view.running, rep.view.pushed_since_probe = 2, 20, 0
+            rep.view.orders_by_prefix = True
+        (a if busier == "a" else b).view.pending = 6
+        c.view.pending, c.view.running = 4, 20  # no replica is free
+        for i in range(2):
+            s.admit(QueueEntry(child(f"c{i}"), enqueued_at=NOW, seq=2 + i), NOW)
+        return [p.target_id for p in s.schedule(NOW, [a, b, c]) if p.kind is Kind.REPLICA]
+
+    assert placed(busier="a") == ["b", "b"]
+    assert placed(busier="b") == ["a", "a"]
 
 
 def test_the_holders_queue_is_bounded_by_what_its_engine_runs():

@@ -242,3 +242,26 @@ def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv(engine)
     finally:
         d.proc.stop()
         emu.stop()
+
+
+def test_lb_reads_whether_an_sglang_engine_orders_its_queue_by_cached_prefix():
+    """`--schedule-policy lpm` (the emulator's SGLang profiles) against arrival order (its other
+    profiles say `fcfs`), read from `/server_info` as SGLang serves it; a vLLM replica is not asked."""
+    lpm, lpm_url = start_emulator("--speed", "1", profile="tiny-sglang", name="lpm")
+    fcfs, fcfs_url = start_emulator("--speed", "1", name="fcfs")
+    d = start_lb("--replica", lpm_url, "--replica", fcfs_url, "--engine", "sglang", "--pushing", "sp-pending")
+    v = start_lb("--replica", lpm_url, "--engine", "vllm", name="lb-vllm")
+    admin = {"Authorization": f"Bearer {d.token}"}
+    try:
+        with urllib.request.urlopen(lpm_url + "/server_info", timeout=5) as r:
+            assert json.loads(r.read())["schedule_policy"] == "lpm"
+
+        def ordered(lb) -> dict | None:
+            reps = lb.get_json("/admin/replicas", headers=admin)[1]["replicas"]
+            return {r["url"]: r["orders_by_prefix"] for r in reps} if all(r["healthy"] for r in reps) else None
+
+        assert poll(lambda: ordered(d), what="both replicas probed") == {lpm_url: True, fcfs_url: False}
+        assert poll(lambda: ordered(v), what="the vLLM replica probed") == {lpm_url: False}
+    finally:
+        for p in (d.proc, v.proc, lpm, fcfs):
+            p.stop()
