@@ -165,6 +165,24 @@ PROFILES["l4-llama3-8b-sglang-fcfs"] = PROFILES["l4-llama3-8b"].as_sglang("fcfs"
 PROFILES["tiny-sglang"] = PROFILES["tiny"].as_sglang()  # tests: SGLang's scheduler in small
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # SGLang `--schedule-policy` values the profiles model
+
+
+def on_schedule_policy(name: str, policy: str) -> str:
+    """The profile of `name`'s hardware on SGLang's scheduler with its waiting queue in `policy`'s
+    order (`--schedule-policy`); ValueError naming the fix when `name` is not SGLang's."""
+    if policy not in SCHEDULE_POLICIES:
+        raise ValueError(f"schedule policy {policy!r}: one of {', '.join(SCHEDULE_POLICIES)}")
+    if name not in PROFILES or PROFILES[name].new_token_ratio is None:
+        sglang = ", ".join(n for n, p in PROFILES.items() if p.new_token_ratio is not None)
+        raise ValueError(f"profile {name!r} does not model SGLang's scheduler; these do: {sglang}")
+    base = name.removesuffix("-sglang-fcfs").removesuffix("-sglang")
+    sibling = f"{base}-sglang" if policy == "lpm" else f"{base}-sglang-{policy}"
+    if sibling not in PROFILES:
+        raise ValueError(f"profile {name!r} has no sibling {sibling!r} with its queue in {policy} order")
+    return sibling
+
+
 def get_profile(name: str) -> Profile:
     try:
         return PROFILES[name]

@@ -22,6 +22,7 @@ from typing import Callable
 from bench import report, report_md
 from bench.cluster import ClusterSpec, RegionSpec
 from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
+from bench.profiles import on_schedule_policy
 from bench.systems import (DIRECT, System, lb, nginx, pick_names, sglang_router, start, start_regional, unavailable,
                            vllm_router)
 from lb.core.policies import DEFAULT_POLICY
@@ -289,7 +290,7 @@ def lb_from_file(path: str, *, regional: bool) -> System:
 
 def with_run_options(c: Compare, repeats: int | None, stream: bool = True, duration: float | None = None,
                      systems: str | None = None, clients: int | None = None, lb_config: str | None = None,
-                     lb_headers: bool = True) -> Compare:
+                     lb_headers: bool = True, schedule_policy: str | None = None) -> Compare:
     """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
     for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers.
     `--duration S`: each run's length (a longer one has a longer steady state after its
@@ -297,7 +298,9 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
     `--clients N`: closed-loop clients (one region's scenarios; past the default the fleet
     runs past its capacity). `--lb-config FILE`: also `lb` with that daemon config, as the
     system `lb config`. `--no-session-headers` (lb_headers False): clients send none of lb's
-    headers, as third-party clients (the peers that hash `X-LB-Session` then hash nothing)."""
+    headers, as third-party clients (the peers that hash `X-LB-Session` then hash nothing).
+    `--schedule-policy P`: a scenario on SGLang's scheduler runs its engines with their waiting
+    queue in P's order (bench.profiles.on_schedule_policy)."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -308,6 +311,17 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
             raise SystemExit("--duration must be > 0")
         c.duration_s = duration
         c.options.append(f"--duration {duration:g}")
+    if schedule_policy is not None:
+        try:
+            profile = on_schedule_policy(c.profile, schedule_policy)
+        except ValueError as e:
+            raise SystemExit(f"--schedule-policy: {c.scenario}: {e}") from None
+        if profile != c.profile:
+            c.notes = [*c.notes, f"--schedule-policy {schedule_policy}: the replicas are {profile} (waiting queue "
+                                 f"{'longest cached prefix first' if schedule_policy == 'lpm' else 'in arrival order'}), "
+                                 f"not {c.profile}; the load is the scenario's, so its share of capacity differs"]
+            c.profile = profile
+        c.options.append(f"--schedule-policy {schedule_policy}")
     if clients is not None:
         from bench.client import is_open_loop
         from bench.workloads import make_workload
@@ -343,9 +357,9 @@ def scenario_runner(compare: Callable[[bool], Compare]) -> Callable[..., dict]:
     """A compare-* scenario's `run`, as `lb-bench scenario NAME [options]` calls it."""
     def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
             duration: float | None = None, systems: str | None = None, clients: int | None = None,
-            lb_config: str | None = None, lb_headers: bool = True) -> dict:
+            lb_config: str | None = None, lb_headers: bool = True, schedule_policy: str | None = None) -> dict:
         return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config,
-                                            lb_headers), out_dir)
+                                            lb_headers, schedule_policy), out_dir)
     return run
 
 

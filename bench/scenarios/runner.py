@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench import report
 from bench.fleet import CpuMeter, Fleet, saturation_warning
+from bench.profiles import SCHEDULE_POLICIES
 
 NOT_SCENARIOS = {"runner"}
 
@@ -68,6 +69,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, metavar="N",
                         help="compare-* scenarios in one region: closed-loop clients (more than the scenario's "
                              "default runs its fleet past capacity)")
+    parser.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
+                        help="compare-* scenarios on SGLang's scheduler (compare-long-short): the emulators' "
+                             "waiting-queue order, as SGLang's --schedule-policy: fcfs (arrival order, today's "
+                             "default) or lpm (longest cached prefix first, older releases' default)")
     parser.add_argument("--lb-config", metavar="FILE",
                         help="compare-* scenarios: also run lb with this daemon config file as the system 'lb config' "
                              "(its durations in engine time, scaled by the scenario's speed-up like lb's defaults)")
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --systems", file=sys.stderr)
             return 2
         extra["systems"] = args.systems
-    for option, key in (("clients", "clients"), ("lb_config", "lb_config")):
+    for option, key in (("clients", "clients"), ("lb_config", "lb_config"), ("schedule_policy", "schedule_policy")):
         if getattr(args, option, None) is not None:
             if key not in inspect.signature(module.run).parameters:
                 print(f"scenario {args.name} does not take --{option.replace('_', '-')}", file=sys.stderr)

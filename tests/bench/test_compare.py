@@ -221,6 +221,23 @@ def test_an_operators_own_config_runs_beside_the_default_its_durations_in_engine
     assert ours.probes.interval_s == pytest.approx(0.01) and not ours.replicas  # the scenario's replicas, not the file's
 
 
+def test_a_scenario_on_sglangs_scheduler_runs_with_the_waiting_order_asked_for():
+    """`--schedule-policy lpm`: compare-long-short's engines order their waiting queue longest
+    cached prefix first (SGLang's older default) instead of in arrival order, and say so."""
+    from bench.profiles import PROFILES
+    from bench.scenarios import compare_long_short, compare_mixed_tree
+    from bench.scenarios._compare import with_run_options
+
+    c = with_run_options(compare_long_short.compare(False), 1, schedule_policy="lpm")
+    assert c.profile == "l4-llama3-8b-sglang" and PROFILES[c.profile].waiting_order == "lpm"
+    assert c.options == ["--schedule-policy lpm"] and "longest cached prefix first" in c.notes[-1]
+    c = with_run_options(compare_long_short.compare(False), 1, schedule_policy="fcfs")
+    assert c.profile == compare_long_short.PROFILE and PROFILES[c.profile].waiting_order == "fcfs"
+    with pytest.raises(SystemExit, match="--schedule-policy: compare-mixed-tree: profile 'l4-llama3-8b' does not "
+                                         "model SGLang's scheduler; these do: .*l4-llama3-8b-sglang"):
+        with_run_options(compare_mixed_tree.compare(False), 1, schedule_policy="lpm")
+
+
 def test_run_options_refuse_what_a_scenario_cannot_take(tmp_path):
     from bench.scenarios import compare_mooncake, compare_tot
     from bench.scenarios._compare import with_run_options
