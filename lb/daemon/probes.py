@@ -145,8 +145,8 @@ class Prober:
             view.probe_s = elapsed
         if ok and not rep.models_known:  # before it turns healthy: /v1/models and /ready agree at once
             await self._discover_models(rep)
-        if ok and (found is not None or rep.policy_known != view.engine):
-            await self._discover_policy(rep)
+        if ok and (found is not None or rep.policy_known != view.engine or not view.healthy):
+            await self._discover_policy(rep)  # a replica coming back may have restarted with other arguments
         was_healthy = view.healthy
         view.healthy = rep.health.record(ok)
         if ok:
@@ -214,9 +214,10 @@ class Prober:
         rep.models_known = True
 
     async def _discover_policy(self, rep: Replica) -> None:
-        """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), read once per
-        engine detected from SGLang's server arguments; other engines admit in arrival order. A
-        replica that did not answer is asked again at its next probe."""
+        """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), read from
+        SGLang's server arguments once per engine detected and again while the replica comes
+        back up; other engines admit in arrival order. A replica that did not answer is asked
+        again at its next probe."""
         view = rep.view
         view.orders_by_prefix = False
         if view.engine == "sglang":

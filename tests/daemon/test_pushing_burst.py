@@ -14,7 +14,7 @@ import pytest
 
 from lb.core.pushing import SLOW_START_RUNNING
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
-from tests.procs import poll
+from tests.procs import Proc, lb_bench, poll
 
 pytestmark = needs_emulator
 
@@ -246,12 +246,14 @@ def test_an_engine_that_preempts_is_marked_as_admitting_past_its_free_kv(engine)
 
 def test_lb_reads_whether_an_sglang_engine_orders_its_queue_by_cached_prefix():
     """`--schedule-policy lpm` (the emulator's SGLang profiles) against arrival order (its other
-    profiles say `fcfs`), read from `/server_info` as SGLang serves it; a vLLM replica is not asked."""
+    profiles say `fcfs`), read from `/server_info` as SGLang serves it; a vLLM replica is not asked.
+    An engine restarted with the other order is read again when it comes back."""
     lpm, lpm_url = start_emulator("--speed", "1", profile="tiny-sglang", name="lpm")
     fcfs, fcfs_url = start_emulator("--speed", "1", name="fcfs")
     d = start_lb("--replica", lpm_url, "--replica", fcfs_url, "--engine", "sglang", "--pushing", "sp-pending")
     v = start_lb("--replica", lpm_url, "--engine", "vllm", name="lb-vllm")
     admin = {"Authorization": f"Bearer {d.token}"}
+    procs = [d.proc, v.proc, lpm, fcfs]
     try:
         with urllib.request.urlopen(lpm_url + "/server_info", timeout=5) as r:
             assert json.loads(r.read())["schedule_policy"] == "lpm"
@@ -262,6 +264,12 @@ def test_lb_reads_whether_an_sglang_engine_orders_its_queue_by_cached_prefix():
 
         assert poll(lambda: ordered(d), what="both replicas probed") == {lpm_url: True, fcfs_url: False}
         assert poll(lambda: ordered(v), what="the vLLM replica probed") == {lpm_url: False}
+        fcfs.stop()  # restarted with longest cached prefix first, on the same port
+        poll(lambda: ordered(d) is None or None, what="lb sees the replica down")
+        port = fcfs_url.rsplit(":", 1)[1]
+        procs.append(Proc(lb_bench("emulate", "--port", port, "--profile", "tiny-sglang", "--model", "m", "--speed", "1"),
+                          ready_url=fcfs_url + "/health", name="fcfs-as-lpm"))
+        assert poll(lambda: ordered(d), what="the replica back") == {lpm_url: True, fcfs_url: True}
     finally:
-        for p in (d.proc, v.proc, lpm, fcfs):
+        for p in procs:
             p.stop()
