@@ -88,6 +88,10 @@ OVERCOMMIT_QUEUE = 8
 # long-short at 1.3x capacity, TTFT p90 6.7 s against the hash ring's 4.2; with this and the
 # least-queued holder (lb.core.scheduler `_holder_queue`) 3.5 s (docs/results.md, forty-second
 # session).
+# ...while at most this many wait there: past it SGLang's lpm sorts no more and admits in arrival
+# order (schedule_policy.py `_determine_active_policy`: "Turn off the expensive prefix matching and
+# sorting when the #queue is large").
+LPM_MAX_WAITING = 128
 # Decode KV an admitted request is held to need, as engines reserve it at admission (SGLang:
 # max_new_tokens times a new-token ratio; the bench engine: `decode_reserve`, 128 for 8B models).
 DEFAULT_DECODE_RESERVE = 128
@@ -124,10 +128,15 @@ def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -
     """May a request whose prefix `view` holds join its engine's own queue, SP-P's gate shut?
     Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why) or one that admits the requests
     whose prefix it holds first (`view.orders_by_prefix`: the note under OVERCOMMIT_QUEUE), with
-    what waits there and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE)."""
+    what waits there and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and,
+    where its order is the only reason, under LPM_MAX_WAITING."""
     unseen = view.pushed_since_probe
-    return ((view.requeues or view.orders_by_prefix) and view.healthy and not view.draining and unseen < max_unseen
-            and view.pending + unseen < max(OVERCOMMIT_QUEUE, view.running))
+    if not (view.requeues or view.orders_by_prefix) or not view.healthy or view.draining or unseen >= max_unseen:
+        return False
+    bound = max(OVERCOMMIT_QUEUE, view.running)
+    if not view.requeues:
+        bound = min(bound, LPM_MAX_WAITING)
+    return view.pending + unseen < bound
 
 
 def note_preemptions(view: ReplicaView, total: float | None, at: float, *, lately: int | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lb.core.affinity import AffinityConfig
 from lb.core.policies import make_policy
-from lb.core.pushing import OVERCOMMIT_QUEUE, holder_queue_open
+from lb.core.pushing import LPM_MAX_WAITING, OVERCOMMIT_QUEUE, holder_queue_open
 from lb.core.queueing import make_queue
 from lb.core.scheduler import Kind, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
@@ -75,6 +75,13 @@ def test_an_engine_that_orders_its_queue_by_prefix_keeps_a_holders_queue_without
     assert holder_queue_open(v)
     v.pushed_since_probe = OVERCOMMIT_QUEUE - 3  # bounded as for an engine that preempts
     assert not holder_queue_open(v)
+    # ...and where SGLang stops sorting: past 128 waiting its lpm admits in arrival order
+    v.running, v.pending, v.pushed_since_probe = 300, LPM_MAX_WAITING - 1, 0
+    assert holder_queue_open(v)
+    v.pushed_since_probe = 1
+    assert not holder_queue_open(v)
+    v.requeues = True  # one that preempts keeps its queue for that reason: what it runs bounds it
+    assert holder_queue_open(v)
 
 
 def test_of_the_replicas_holding_a_prefix_the_least_queued_takes_the_request():
