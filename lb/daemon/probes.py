@@ -218,12 +218,11 @@ class Prober:
         SGLang's server arguments once per engine detected and again while the replica comes
         back up; other engines admit in arrival order. A replica that did not answer is asked
         again at its next probe."""
-        view = rep.view
-        view.orders_by_prefix = False
+        view, ordered = rep.view, False
         if view.engine == "sglang":
             for path in SERVER_INFO:
                 try:
-                    view.orders_by_prefix = orders_by_prefix(await self._get(rep, path))
+                    ordered = orders_by_prefix(await self._get(rep, path))
                 except ConnectionError:
                     return
                 except ProbeFailed:  # a release that serves the other path
@@ -231,7 +230,7 @@ class Prober:
                 except ValueError:  # not JSON: nothing said, arrival order
                     pass
                 break
-        rep.policy_known = view.engine
+        view.orders_by_prefix, rep.policy_known = ordered, view.engine
 
 
 def _auth(rep: Replica) -> dict[str, str] | None:

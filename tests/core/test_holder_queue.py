@@ -30,6 +30,19 @@ def other(rid: str) -> RequestFacts:
     return RequestFacts(rid, "m", prompt=f"an unrelated question {rid} " * 100, prompt_tokens=1000)
 
 
+def three_replicas() -> tuple[Scheduler, Rep, Rep, Rep]:
+    """A scheduler holding a request at most 1 s for its prefix's replica, and replicas a, b, c."""
+    s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
+                  make_queue("fcfs"))
+    return s, Rep("a"), Rep("b"), Rep("c")
+
+
+def took(s: Scheduler, rid: str, rep: Rep, at: float, seq: int) -> None:
+    """Tree call `rid` arrives at `at` with only `rep` free, and goes there: `rep` holds its context."""
+    s.admit(QueueEntry(child(rid), enqueued_at=at, seq=seq), at)
+    assert [p.target_id for p in s.schedule(at, [rep])] == [rep.view.id]
+
+
 def run(requeues: bool, pushing: str = "sp-pending", orders_by_prefix: bool = False) -> tuple[Rep, Rep, list]:
     """Replica `a` took a tree's root, then its engine filled (requests waiting there: SP-P's gate
     shuts); `b` is free. Three of the tree's calls and one unrelated request arrive."""
@@ -90,13 +103,9 @@ def test_of_the_replicas_holding_a_prefix_the_least_queued_takes_the_request():
     names first, so the prompt's requests spread over its holders instead of queueing on one."""
 
     def placed(busier: str) -> list:
-        s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
-                      make_queue("fcfs"))
-        a, b, c = Rep("a"), Rep("b"), Rep("c")
-        s.admit(QueueEntry(child("r1"), enqueued_at=NOW - 2, seq=0), NOW - 2)
-        assert [p.target_id for p in s.schedule(NOW - 2, [a])] == ["a"]
-        s.admit(QueueEntry(child("r2"), enqueued_at=NOW - 1, seq=1), NOW - 1)
-        assert [p.target_id for p in s.schedule(NOW - 1, [b])] == ["b"]  # both hold the context now
+        s, a, b, c = three_replicas()
+        took(s, "r1", a, NOW - 2, seq=0)
+        took(s, "r2", b, NOW - 1, seq=1)  # both hold the context now
         for rep in (a, b):
             rep.view.pending, rep.view.running, rep.view.pushed_since_probe = 2, 20, 0
             rep.view.orders_by_prefix = True
@@ -132,11 +141,8 @@ def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
     the others' mean queue, beyond which the request waits in the LB for any free replica."""
 
     def placed(others_waiting: int) -> list:
-        s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=1.0)), make_policy("predicted-ttft"),
-                      make_queue("fcfs"))
-        a, b, c = Rep("a"), Rep("b"), Rep("c")
-        s.admit(QueueEntry(child("root"), enqueued_at=NOW - 1, seq=0), NOW - 1)
-        assert [p.target_id for p in s.schedule(NOW - 1, [a])] == ["a"]
+        s, a, b, c = three_replicas()
+        took(s, "root", a, NOW - 1, seq=0)
         a.view.pending, a.view.running, a.view.requeues = 20, 40, True  # it runs 40: room for 20 more
         b.view.pending = c.view.pending = others_waiting  # both full too: nothing is free
         b.view.running = c.view.running = 10
