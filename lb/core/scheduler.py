@@ -489,9 +489,9 @@ class Scheduler:
 
     def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
-        those holding its longest match, the one with the least waiting there or unseen): it
-        goes into that engine's queue beside its prefix instead of waiting here for it (and
-        losing it). The policy is asked with that one candidate, so the placement carries its
+        those holding its longest match, the one with the least waiting there or unseen, then
+        the least prefill ahead): it goes into that engine's queue beside its prefix instead of
+        waiting here for it (and losing it). The policy is asked with that one candidate, so the placement carries its
         decision (prefix match, predicted TTFT) as any other does. Asked to choose among the
         holders instead, the predicted-TTFT policy, which prices prefill ahead but not an
         engine's waiting queue, did worse than the shortest queue (long-short with `lpm`
@@ -515,8 +515,11 @@ class Scheduler:
         if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
             return None
         # every replica holding the match is as good a cache: the least queued takes it, so a prefix
-        # many requests share (a chat service's system prompt) spreads over its holders
-        target = min((usable[h] for h in holders), key=lambda t: _queued(t.view))
+        # many requests share (a chat service's system prompt) spreads over its holders; of equal
+        # queues, the one with the least prefill ahead (this LB's pushes there with no first token
+        # yet), since a long document's chunked prefill holds back what is admitted after it
+        ahead = self.backlog.ahead
+        target = min((usable[h] for h in holders), key=lambda t: (_queued(t.view), ahead.get(t.view.id, 0.0)))
         live = self._live(entry, targets)
         rivals = [_queued(t.view) for t in targets if t is not target and t.view.id in live]
         if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):

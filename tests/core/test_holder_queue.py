@@ -119,6 +119,25 @@ def test_of_the_replicas_holding_a_prefix_the_least_queued_takes_the_request():
     assert placed(busier="b") == ["a", "a"]
 
 
+def test_of_holders_with_equal_queues_the_one_with_less_prefill_ahead_takes_the_request():
+    """`lb` knows the prompts it pushed that have no first token yet: a long document's chunked
+    prefill there holds back what the engine admits after it."""
+
+    def placed(answered: str) -> list:
+        s, a, b, c = three_replicas()
+        took(s, "r1", a, NOW - 2, seq=0)
+        took(s, "r2", b, NOW - 1, seq=1)
+        s.first_token(answered, NOW - 0.5)  # that one's prefill is done; the other's is still ahead
+        for rep in (a, b, c):
+            rep.view.pending, rep.view.running, rep.view.pushed_since_probe = 2, 20, 0
+            rep.view.orders_by_prefix = True
+        s.admit(QueueEntry(child("c0"), enqueued_at=NOW, seq=2), NOW)
+        return [p.target_id for p in s.schedule(NOW, [a, b, c]) if p.kind is Kind.REPLICA]
+
+    assert placed(answered="r1") == ["a"]
+    assert placed(answered="r2") == ["b"]
+
+
 def test_the_holders_queue_is_bounded_by_what_its_engine_runs():
     v = ReplicaView(id="a", url="", engine="vllm", requeues=True, pending=3, running=6)
     assert holder_queue_open(v)
