@@ -73,3 +73,11 @@ def detection_due(configured: str, engine: str, reports_load: bool, detected_at:
     if configured != AUTO:
         return False
     return engine == AUTO or (not reports_load and now - detected_at >= redetect_s)
+
+
+def queue_order_due(engine: str, read_for: str | None, detected: bool, healthy: bool) -> bool:
+    """Read how an answering replica's engine orders its waiting queue (SGLang's
+    `schedule_policy`) now? Once per engine detected (`read_for`: the engine it was last read
+    for), and again while the replica is not yet healthy: one coming back may have restarted
+    with other arguments. Not every probe: the answer changes only with a restart."""
+    return detected or read_for != engine or not healthy

@@ -491,8 +491,9 @@ class Scheduler:
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
         those holding its longest match, the one with the least waiting there or unseen, then
         the least prefill ahead): it goes into that engine's queue beside its prefix instead of
-        waiting here for it (and losing it). The policy is asked with that one candidate, so the placement carries its
-        decision (prefix match, predicted TTFT) as any other does. Asked to choose among the
+        waiting here for it (and losing it). The policy is asked with that one candidate, so the
+        placement carries its decision (prefix match, predicted TTFT) as any other does. Asked to
+        choose among the
         holders instead, the predicted-TTFT policy, which prices prefill ahead but not an
         engine's waiting queue, did worse than the shortest queue (long-short with `lpm`
         engines at 1.3x, 3 seeds: TTFT p90 7.0 s against 3.8).

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from lb.core.engines import (LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
-                             engine_from_answers)
+                             engine_from_answers, queue_order_due)
 from lb.core.loadparse import EngineLoad, orders_by_prefix
 from lb.core.pushing import early_probe_delay, note_preemptions, probe_gap, settle_probe
 from lb.daemon.config import ProbeConfig
@@ -145,8 +145,8 @@ class Prober:
             view.probe_s = elapsed
         if ok and not rep.models_known:  # before it turns healthy: /v1/models and /ready agree at once
             await self._discover_models(rep)
-        if ok and (found is not None or rep.policy_known != view.engine or not view.healthy):
-            await self._discover_policy(rep)  # a replica coming back may have restarted with other arguments
+        if ok and queue_order_due(view.engine, rep.policy_known, found is not None, view.healthy):
+            await self._discover_policy(rep)
         was_healthy = view.healthy
         view.healthy = rep.health.record(ok)
         if ok:
@@ -214,10 +214,9 @@ class Prober:
         rep.models_known = True
 
     async def _discover_policy(self, rep: Replica) -> None:
-        """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), read from
-        SGLang's server arguments once per engine detected and again while the replica comes
-        back up; other engines admit in arrival order. A replica that did not answer is asked
-        again at its next probe."""
+        """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), from SGLang's
+        server arguments (when: `queue_order_due`); other engines admit in arrival order. A
+        replica that did not answer is asked again at its next probe."""
         view, ordered = rep.view, False
         if view.engine == "sglang":
             for path in SERVER_INFO:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lb.core.engines import AUTO, DETECT_ORDER, LOAD_ENDPOINTS, REDETECT_S, detection_due, detection_paths, engine_from_answers
+from lb.core.engines import (AUTO, DETECT_ORDER, LOAD_ENDPOINTS, REDETECT_S, detection_due, detection_paths,
+                             engine_from_answers, queue_order_due)
 
 DATA = Path(__file__).parent.parent / "data"
 VLLM_GPU = (DATA / "vllm-0.25.1-h200-metrics-idle.txt").read_bytes()
@@ -60,3 +61,11 @@ def test_detection_is_due_first_and_again_only_while_no_load_is_seen():
     assert not detection_due(AUTO, "openai", False, 100.0, 100.0 + REDETECT_S - 1)
     assert detection_due(AUTO, "openai", False, 100.0, 100.0 + REDETECT_S)
     assert detection_due(AUTO, "vllm", False, 100.0, 100.5, redetect_s=0.5)  # its metrics went away
+
+
+def test_the_queue_order_is_read_once_per_engine_and_again_while_a_replica_comes_back():
+    assert queue_order_due("sglang", None, detected=False, healthy=False)  # never read
+    assert not queue_order_due("sglang", "sglang", detected=False, healthy=True)  # read: not every probe
+    assert queue_order_due("sglang", "sglang", detected=True, healthy=True)  # its engine detected again
+    assert queue_order_due("sglang", "vllm", detected=False, healthy=True)  # read for another engine
+    assert queue_order_due("sglang", "sglang", detected=False, healthy=False)  # coming back: maybe restarted
