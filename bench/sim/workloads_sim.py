@@ -282,6 +282,33 @@ def doc_qa_calls(seed: int) -> Iterator[Timed]:
     return prefixed_calls(seed, "doc-qa", "docqa", lengths, weights, DOC_QA_QUESTION_TOKENS, DOC_QA_OUTPUT_TOKENS)
 
 
+# Apps whose popularity moves: 32 system prompts of 1,200 tokens (38k tokens together: more
+# than one replica's KV, a third of the fleet's), each request one of them, Zipf-popular (weight
+# 1/rank), and a 96-token question; 160-token answers, Poisson arrivals. Every 500 requests the
+# ranking is drawn again, so the app that was hot turns cold and a cold one turns hot: a launch,
+# a campaign, the next region's morning. doc-qa's popularity stands still; here a router must
+# spread a new hot prefix over the replicas it needs and let the old one go. Held out: added
+# after the policy was settled (forty-third session), nothing in `lb` chosen on it.
+HOT_SHIFT_APPS = 32
+HOT_SHIFT_SYSTEM_TOKENS = 1200
+HOT_SHIFT_QUESTION_TOKENS = 96
+HOT_SHIFT_OUTPUT_TOKENS = 160
+HOT_SHIFT_EVERY = 500  # requests between two rankings
+
+
+def hot_shift_calls(seed: int) -> Iterator[Timed]:
+    rng = rng_for(seed, "hot-shift")
+    weights = [1.0 / rank for rank in range(1, HOT_SHIFT_APPS + 1)]
+    t, ranking = 0.0, list(range(HOT_SHIFT_APPS))
+    for i in itertools.count():
+        if i % HOT_SHIFT_EVERY == 0:
+            rng.shuffle(ranking)  # ranking[r]: the app at rank r + 1 until the next shift
+        t += rng.expovariate(1.0)
+        k = ranking[rng.choices(range(HOT_SHIFT_APPS), weights)[0]]
+        yield Timed(t, Call(f"hot-{i}", "local", prefixed_prompt(k, HOT_SHIFT_SYSTEM_TOKENS, i, HOT_SHIFT_QUESTION_TOKENS),
+                            HOT_SHIFT_OUTPUT_TOKENS, app="hot-shift", user=f"user-{i % 64}"))
+
+
 def reasoning_calls(seed: int) -> Iterator[Timed]:
     """The live `reasoning` workload's requests (bench/workloads/reasoning.py: the same draws), at
     1 req/s before scaling; each system prompt one range of token ids, each question its own."""
@@ -360,6 +387,12 @@ register(Workload("long-short", "A chat service (4 system prompts of 300 tokens,
                   "answers) where one request in ten is a unique 6,000-token document to summarize (300-token "
                   "answers), Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
                   ONE_REGION, "replay", calls=long_short_calls, natural_rps=lambda: 1.0))
+register(Workload("hot-shift", f"{HOT_SHIFT_APPS} apps' system prompts of {HOT_SHIFT_SYSTEM_TOKENS:,} tokens, "
+                  f"Zipf-popular (1/rank), the ranking drawn again every {HOT_SHIFT_EVERY} requests (the hot app "
+                  f"turns cold, a cold one hot), {HOT_SHIFT_QUESTION_TOKENS}-token questions, "
+                  f"{HOT_SHIFT_OUTPUT_TOKENS}-token answers, Poisson arrivals (open loop); held out: added after "
+                  "the policy was settled, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=hot_shift_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "

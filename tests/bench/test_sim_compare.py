@@ -814,3 +814,29 @@ def test_a_surge_reports_each_systems_ttft_during_it_and_after_it(tmp_path, caps
     for system in ("lb", "nginx hash-session"):
         assert summary["systems"][system]["surge_p90_s"]["median"] > 0
         assert summary["systems"][system]["after_surge_p90_s"]["median"] > 0
+
+
+def test_the_hot_shift_replay_moves_its_hot_app_every_500_requests():
+    import collections
+    import itertools
+
+    from bench.sim.workloads_sim import (HOT_SHIFT_APPS, HOT_SHIFT_EVERY, HOT_SHIFT_QUESTION_TOKENS,
+                                         HOT_SHIFT_SYSTEM_TOKENS, WORKLOADS, hot_shift_calls)
+
+    assert WORKLOADS["hot-shift"].kind == "replay"
+    calls = [t.call for t in itertools.islice(hot_shift_calls(0), 4 * HOT_SHIFT_EVERY)]
+    assert all(len(c.tokens) == HOT_SHIFT_SYSTEM_TOKENS + HOT_SHIFT_QUESTION_TOKENS for c in calls)
+    apps = [c.tokens[0] for c in calls]  # a system prompt's first token names its app
+    assert len(set(apps)) <= HOT_SHIFT_APPS
+    hot = []
+    for block in range(4):
+        counts = collections.Counter(apps[block * HOT_SHIFT_EVERY:(block + 1) * HOT_SHIFT_EVERY])
+        top, n = counts.most_common(1)[0]
+        assert n > 0.15 * HOT_SHIFT_EVERY  # Zipf 1/rank over 32: the top app ~25 %
+        hot.append(top)
+    assert len(set(hot)) >= 3  # the hot app moves
+    # requests of one app share its whole system prompt and nothing after it
+    same = [c for c in calls if c.tokens[0] == hot[0]][:2]
+    assert same[0].tokens[:HOT_SHIFT_SYSTEM_TOKENS] == same[1].tokens[:HOT_SHIFT_SYSTEM_TOKENS]
+    assert same[0].tokens[HOT_SHIFT_SYSTEM_TOKENS:] != same[1].tokens[HOT_SHIFT_SYSTEM_TOKENS:]
+    assert [c.tokens[0] for c in (t.call for t in itertools.islice(hot_shift_calls(1), 200))] != apps[:200]
