@@ -46,6 +46,7 @@ Pure: the daemon passes `now`, the free target ids and the policy's prefix memor
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 import itertools
 import math
@@ -53,7 +54,17 @@ from typing import Collection, Iterable, Iterator, Mapping
 
 from lb.core.length_model import LengthModel
 from lb.core.prefix import uncached_tokens
+from lb.core.pushing import DEFAULT_DECODE_RESERVE
 from lb.core.types import PrefixMemory, QueueEntry, RequestFacts
+
+
+# A request held for a busy holder takes a replica the pass left free only if that replica
+# carries at most this share of the holder's load (`AffinityScheduler.release`): the holder is
+# overloaded next to it, not the fleet. Where every replica is as busy (past capacity) the free
+# slot is a moment's, the next request for its own prefixes is on its way, and moving a
+# conversation's next turn off its history there cost multi-turn at 1.3x 10 % of its
+# throughput (cache hit 0.84 -> 0.69; 3 seeds, docs/results.md). The peers' `lighter_share`.
+RELEASE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -234,6 +245,50 @@ class AffinityScheduler:
             return False
         depth_free, _, _ = memory.affinity(entry.facts, free)
         return depth_all - depth_free >= cfg.min_gain * blocks
+
+    def release(self, entry: QueueEntry, free: Collection[str], live: Collection[str], running: Mapping[str, int],
+                waiting: Mapping[str, int], per_token_s: float, ahead: Counter) -> bool:
+        """`entry` is held for a busy holder (`hold`) and a replica in `free` is still free once the
+        pass has placed every request it could: should `entry` take it rather than wait?
+
+        Yes when the wait for the holder is longer than the prefill it would redo there, and that
+        replica carries at most `RELEASE_SHARE` of the holder's load. The wait: the requests
+        ahead of it for those holders (held this pass, `ahead`, and waiting in their engines) over
+        the rate they free slots (what they run, each done once an answer like this one has
+        decoded). The hold's own bound is an answer's decode time whatever waits: a prefix that
+        turned hot (held-out `hot-shift`, an app's 1,200-token system prompt with a quarter of the
+        traffic) kept 35 requests waiting for its one holder while three replicas ran half full,
+        TTFT p90 at 0.9x 2.35x llm-d's; released so, level (docs/results.md).
+
+        `running`: what each target runs; `waiting`: what waits in its engine, the pushes it has
+        not reported included (the two are its load); `per_token_s`: the learned prefill time of
+        a token. A request that stays held counts in `ahead` for the next one."""
+        memory, facts = self.memory, entry.facts
+        depth_all, blocks, holders = memory.affinity(facts, live)
+        if not blocks or not holders:
+            return True
+        depth_all += self._answer_blocks(facts, holders, depth_all, blocks)
+        depth_free, _, _ = memory.affinity(facts, free)
+        busy = [h for h in holders if h not in free]
+        if depth_free >= depth_all or not busy:
+            return True  # a free replica holds it now (a request placed there this pass)
+
+        def load(t: str) -> int:
+            return running.get(t, 0) + waiting.get(t, 0)
+
+        if min(map(load, free)) > RELEASE_SHARE * min(map(load, busy)):
+            return False
+        holders = busy
+        redo_s = max(0.0, depth_all - depth_free) / blocks * max(1, facts.prompt_tokens) * per_token_s
+        answer = facts.max_tokens if facts.max_tokens is not None else self.expected_output(facts)
+        decode_s = (answer or DEFAULT_DECODE_RESERVE) * (memory.decode_step_s() or self.cfg.hold_per_token_s)
+        rate = sum(running.get(h, 0) for h in holders) / max(decode_s, 1e-3)
+        key = tuple(sorted(holders))
+        before = ahead[key] + min(waiting.get(h, 0) for h in holders)
+        if rate > 0 and (before + 1) / rate <= redo_s:
+            ahead[key] += 1
+            return False
+        return True
 
     @staticmethod
     def _overcommitted(holders: list[str], free: Collection[str], preempted_at: Mapping[str, float],

@@ -78,6 +78,13 @@ OVERCOMMIT_UNSEEN = 8
 # rounds each), against holding them in the LB: 30 ToT clients on 4,096 KV tokens 1.07x the
 # throughput at 0.91x the TTFT p90 (blind pushing 1.09x, 0.82x); shared-prefix at 1.3x capacity
 # 1.09x at 0.72x (blind pushing 0.81x, 1.64x).
+# Any engine that reports its KV room queues them too (forty-third session), preempting or not, for
+# calls that continue no interaction (a tree's or a conversation's wait here keeps its rank in the
+# fair queue; in an engine's queue it would not): held in the LB, such a call waits for its holder
+# until its hold's bound and then goes to whichever replica frees a slot, its prefix not there. Where the LB queues for long that mixes every replica's
+# prefixes: apps whose popularity moves (held-out `hot-shift`, 1,200-token system prompts, 1.3x)
+# ran 16-21 apps a replica, each pinning its prompt in the KV, and 40-50 requests where 90 fit,
+# 0.81x llm-d's throughput; queued beside their prefix, 0.97x (docs/results.md).
 OVERCOMMIT_QUEUE = 8
 # An engine that orders its waiting queue by the cache (SGLang `--schedule-policy lpm`, the default
 # of older releases; `ReplicaView.orders_by_prefix`, read from its /server_info) admits a request
@@ -124,17 +131,22 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
     return unseen < floor or view.pushed_tokens_since_probe < view.kv_free_tokens
 
 
-def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN) -> bool:
+def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN, single: bool = False) -> bool:
     """May a request whose prefix `view` holds join its engine's own queue, SP-P's gate shut?
-    Only an engine seen to preempt (`OVERCOMMIT_QUEUE` says why) or one that admits the requests
-    whose prefix it holds first (`view.orders_by_prefix`: the note under OVERCOMMIT_QUEUE), with
-    what waits there and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and,
-    where its order is the only reason, under LPM_MAX_WAITING."""
+    An engine seen to preempt (`OVERCOMMIT_QUEUE` says why) or one that admits the requests whose
+    prefix it holds first (`view.orders_by_prefix`: the note under OVERCOMMIT_QUEUE); for a
+    `single` call (one that continues no interaction: what waits here for it is no rank in the
+    fair queue's interactions, `lb.core.scheduler`) any engine that reports its KV room, while
+    none of it is leased to the interactions under way (`lb.core.leases`). With what waits there
+    and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and, where its order is
+    its reason, under LPM_MAX_WAITING."""
     unseen = view.pushed_since_probe
-    if not (view.requeues or view.orders_by_prefix) or not view.healthy or view.draining or unseen >= max_unseen:
+    reports = view.requeues or view.orders_by_prefix or (
+        single and view.kv_free_tokens is not None and not view.leased_tokens)
+    if not reports or not view.healthy or view.draining or unseen >= max_unseen:
         return False
     bound = max(OVERCOMMIT_QUEUE, view.running)
-    if not view.requeues:
+    if view.orders_by_prefix and not view.requeues:
         bound = min(bound, LPM_MAX_WAITING)
     return view.pending + unseen < bound
 

@@ -56,6 +56,7 @@ hooks): `choose`, `observe`, `register`, `forget`, `last` (a `Decision`) and `pr
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 import functools
 from enum import Enum
@@ -65,7 +66,7 @@ from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
-from lb.core.continuations import declares
+from lb.core.continuations import declares, recognized_continuation
 from lb.core.leases import DEFAULT_LEASE_S, KvLeases
 from lb.core.length_model import LengthModel
 from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
@@ -409,6 +410,7 @@ class Scheduler:
             return []  # nothing queued has a free target: skip walking the backlog
         free_ids = p.free_ids(waiting) if memory is not None else ()
         out: list[Placement] = []
+        held: list[QueueEntry] = []  # waiting for a busy holder (`_settle_held`)
         blocked: set[str] = set()  # models nothing can take this pass, for any entry
         for entry in self.affinity.order(self.queue.walk(now), now, free_ids):
             facts = entry.facts
@@ -445,15 +447,7 @@ class Scheduler:
                 preempted = p.preempted_at if len(self.queue) <= len(cands) else None
                 if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets),
                                       preempted):
-                    holder = None
-                    if queues and tries > 0:
-                        tries -= 1
-                        holder = self._holder_queue(entry, queues, now, p.targets)
-                    if holder is not None:
-                        out.append(self._place(entry, holder, now))
-                        continue
-                    out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy",
-                                         waited=now - entry.enqueued_at))
+                    held.append(entry)  # settled once the others have taken what they can
                     continue
             ahead, count = self.backlog.ahead, self.backlog.ahead_count
             for t in cands:
@@ -471,6 +465,40 @@ class Scheduler:
             out.append(self._place(entry, target, now))
             if not self.eligible(target, now):
                 p.drop(target)
+        if held:
+            out.extend(self._settle_held(held, p, queues, tries, now))
+        return out
+
+    def _settle_held(self, held: list[QueueEntry], p: "_Pass", queues: dict, tries: int, now: float) -> list[Placement]:
+        """The requests held for a busy holder this pass, after every other request has taken what
+        it could: each takes a replica still free where waiting would cost it more than the prefill
+        it redoes there (`AffinityScheduler.release`), else joins its holder's engine queue where
+        that is open (`_holder_queue`), else waits here (a HOLD)."""
+        fit = self.backlog.fit()  # the learned prefill time a token; none yet: no release
+        running = {t.view.id: t.view.running for t in p.targets}
+        waiting = {t.view.id: t.view.pending + t.view.pushed_since_probe for t in p.targets}
+        ahead: Counter = Counter()
+        out: list[Placement] = []
+        for entry in held:
+            facts = entry.facts
+            cands = self._candidates(entry, p.for_model(facts.model), p.targets) if fit is not None else []
+            if cands and self.affinity.release(entry, {t.view.id for t in cands}, self._live(entry, p.targets),
+                                               running, waiting, fit[1], ahead):
+                by_id = {t.view.id: t for t in cands}
+                target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+                if target is not None:
+                    out.append(self._place(entry, target, now))
+                    if not self.eligible(target, now):
+                        p.drop(target)
+                    continue
+            holder = None
+            if queues and tries > 0:
+                tries -= 1
+                holder = self._holder_queue(entry, queues, now, p.targets)
+            if holder is not None:
+                out.append(self._place(entry, holder, now))
+                continue
+            out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy", waited=now - entry.enqueued_at))
         return out
 
     def _open_queues(self, targets: list, now: float) -> dict:
@@ -480,12 +508,12 @@ class Scheduler:
             return {}
         max_unseen = self.cfg.max_unseen
         return {t.view.id: t for t in targets
-                if holder_queue_open(t.view, max_unseen) and (t.breaker is None or t.breaker.allows(now))
+                if holder_queue_open(t.view, max_unseen, single=True) and (t.breaker is None or t.breaker.allows(now))
                 and not self.available(t.view)}
 
     def _any_open(self, queues: dict) -> bool:
         max_unseen = self.cfg.max_unseen
-        return any(holder_queue_open(t.view, max_unseen) for t in queues.values())
+        return any(holder_queue_open(t.view, max_unseen, single=True) for t in queues.values())
 
     def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
@@ -508,8 +536,10 @@ class Scheduler:
         share of the prefixes (SGLang's shared-prefix benchmark) the queues stay alike and the
         bound rarely binds."""
         max_unseen = self.cfg.max_unseen
+        single = not (declares(entry.facts) or recognized_continuation(entry.facts))
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
-                  if holder_queue_open(t.view, max_unseen) and self._may_go(entry, t.view) and i not in entry.exclude}
+                  if holder_queue_open(t.view, max_unseen, single) and self._may_go(entry, t.view)
+                  and i not in entry.exclude}
         if not usable:
             return None
         depth, blocks, holders = self.affinity.memory.affinity(entry.facts, usable.keys())

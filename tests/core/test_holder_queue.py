@@ -197,5 +197,58 @@ def test_a_call_is_not_held_for_a_holder_that_preempts_beside_a_free_replica_tha
     assert held({"a": NOW - 1}) == [("c1", Kind.REPLICA, "b")]  # a preempted a second ago: b takes it
     assert held({"a": NOW - 60}) == [("c1", Kind.REPLICA, "a")]  # a minute ago: past the 30 s hold bound
     assert held({"a": NOW - 1, "b": NOW - 2}) == [("c1", Kind.REPLICA, "a")]  # both preempt: the cache counts
-    # a request behind it has nowhere better to go: it takes b, and the call keeps its hold
-    assert held({"a": NOW - 1}, behind=1) == [("c1", Kind.REPLICA, "a"), ("x0", Kind.REPLICA, "b")]
+    # a request behind it has nowhere better to go: it takes b (placed first: a held call is settled
+    # once the others have taken what they can), and the call keeps its hold
+    assert held({"a": NOW - 1}, behind=1) == [("x0", Kind.REPLICA, "b"), ("c1", Kind.REPLICA, "a")]
+
+
+def _learned(s: Scheduler) -> None:
+    """The fleet's prefill rate learned from first tokens: 0.05 s + 0.5 ms a token."""
+    for i, tokens in enumerate(range(100, 3000, 100)):
+        s.backlog.placed(f"w{i}", "z", tokens, NOW - 100 + i)
+        s.backlog.first_token(f"w{i}", NOW - 100 + i + 0.05 + 0.0005 * tokens)
+    assert s.backlog.fit() is not None
+
+
+def hot(b_running: int, declared: bool = False) -> list:
+    """Replica `a` holds a prompt many calls share (an app's system prompt) and is busy: it runs
+    40, one push it has not reported, its KV spent; `b` is free and runs `b_running`. Six calls
+    of that prompt arrive: single calls, or each of a declared interaction."""
+    s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=30.0)), make_policy("predicted-ttft"),
+                  make_queue("fcfs"))
+    _learned(s)
+    a, b = Rep("a", kv_free_tokens=20_000), Rep("b", kv_free_tokens=20_000)
+    took(s, "root", a, NOW - 1, seq=0)
+    a.view.running, a.view.pending, a.view.pushed_since_probe, a.view.kv_free_tokens = 40, 0, 1, 0
+    b.view.running, b.view.max_running = b_running, 256
+    for i in range(6):
+        facts = RequestFacts(f"c{i}", "m", prompt=child(f"c{i}").prompt, prompt_tokens=1000, max_tokens=128,
+                             interaction_id=f"tree-{i}" if declared else None)
+        s.admit(QueueEntry(facts, enqueued_at=NOW, seq=i + 1), NOW)
+    return [(p.entry.facts.request_id, p.kind, p.target_id) for p in s.schedule(NOW, [a, b])]
+
+
+def test_a_call_held_for_a_busy_holder_takes_a_free_replica_once_its_line_there_outlasts_the_prefill():
+    # a frees ~5 slots a second (40 running, answers of 128 tokens at 0.06 s); the prompt's
+    # prefill on b is ~0.5 s: the first call (one push ahead of it) waits for a, in a's own queue
+    # (a reports its KV room and c0 continues no interaction); the line behind it is longer
+    # than the prefill, so the others take b
+    got = hot(b_running=2)
+    assert got == [("c0", Kind.REPLICA, "a")] + [(f"c{i}", Kind.REPLICA, "b") for i in range(1, 6)]
+    # b as busy as a: not the holder overloaded but the fleet, so every call stays with its prefix
+    assert all(t == "a" for _, kind, t in hot(b_running=40))
+
+
+def test_a_declared_interaction_and_a_leased_engine_keep_their_calls_in_the_lb():
+    # a tree's calls wait here, where their rank in the fair queue counts, not in a's engine queue
+    got = hot(b_running=40, declared=True)
+    assert got and all(kind is Kind.HOLD for _, kind, _ in got)
+    # a plain engine: its queue opens to a single call once it reports its KV room, and not while
+    # the interactions under way lease that room (tests/core/test_leases.py: past capacity an
+    # undeclared agent's next step finds its context held)
+    view = ReplicaView(id="p", url="", engine="openai", running=4, pending=1)
+    assert not holder_queue_open(view, single=True)
+    view.kv_free_tokens = 0
+    assert holder_queue_open(view, single=True) and not holder_queue_open(view)
+    view.leased_tokens = 5_000
+    assert not holder_queue_open(view, single=True)
