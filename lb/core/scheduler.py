@@ -46,7 +46,10 @@ One pass, in order (the filter chain first, then queue order, then the policy):
    the TTFT predicted there plus the round trip beats the local prediction by a margin
    (`lb.core.peering.predicted_peer`; predictions from `lb.core.backlog`, which the
    scheduler keeps from its pushes and the first tokens its caller reports: `first_token`).
-3. Its busy prefix holder may be worth a short wait (`AffinityScheduler.hold`): HOLD.
+3. Its busy prefix holder may be worth a short wait (`AffinityScheduler.hold`): it is set
+   aside, and settled once the pass has placed the rest (`_settle_held`): a replica still free
+   when its line for the holder outlasts the prefill it would redo there
+   (`AffinityScheduler.release`), else its holder's engine queue where that is open, else HOLD.
 4. Else the policy chooses among the candidates (filters → scorers → picker,
    `lb.core.policies`), the entry is taken out and the push recorded. A target the push
    made unavailable leaves the pass's free set.
