@@ -81,10 +81,13 @@ OVERCOMMIT_UNSEEN = 8
 # Any engine that reports its KV room queues them too (forty-third session), preempting or not, for
 # calls that continue no interaction (a tree's or a conversation's wait here keeps its rank in the
 # fair queue; in an engine's queue it would not): held in the LB, such a call waits for its holder
-# until its hold's bound and then goes to whichever replica frees a slot, its prefix not there. Where the LB queues for long that mixes every replica's
-# prefixes: apps whose popularity moves (held-out `hot-shift`, 1,200-token system prompts, 1.3x)
-# ran 16-21 apps a replica, each pinning its prompt in the KV, and 40-50 requests where 90 fit,
-# 0.81x llm-d's throughput; queued beside their prefix, 0.97x (docs/results.md).
+# until its hold's bound and then goes to whichever replica frees a slot, its prefix not there.
+# Where the LB queues for long that mixes every replica's prefixes: apps whose popularity moves
+# (held-out `hot-shift`, 1,200-token system prompts, 1.3x) ran 16-21 apps a replica, each pinning
+# its prompt in the KV, and 40-50 requests where 90 fit, 0.81x llm-d's throughput; queued beside
+# their prefix (and `AffinityScheduler.release`), 0.99x. Its cost: in an engine that admits in
+# arrival order they wait behind what queued there before them (chat beside long documents on
+# SGLang as it ships, live past capacity: TTFT p50 1.35x; docs/results.md).
 OVERCOMMIT_QUEUE = 8
 # An engine that orders its waiting queue by the cache (SGLang `--schedule-policy lpm`, the default
 # of older releases; `ReplicaView.orders_by_prefix`, read from its /server_info) admits a request
@@ -141,9 +144,9 @@ def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN, s
     and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and, where its order is
     its reason, under LPM_MAX_WAITING."""
     unseen = view.pushed_since_probe
-    reports = view.requeues or view.orders_by_prefix or (
+    keeps_queue = view.requeues or view.orders_by_prefix or (
         single and view.kv_free_tokens is not None and not view.leased_tokens)
-    if not reports or not view.healthy or view.draining or unseen >= max_unseen:
+    if not keeps_queue or not view.healthy or view.draining or unseen >= max_unseen:
         return False
     bound = max(OVERCOMMIT_QUEUE, view.running)
     if view.orders_by_prefix and not view.requeues:

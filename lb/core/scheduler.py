@@ -452,12 +452,7 @@ class Scheduler:
                                       preempted):
                     held.append(entry)  # settled once the others have taken what they can
                     continue
-            ahead, count = self.backlog.ahead, self.backlog.ahead_count
-            for t in cands:
-                t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
-                t.view.prefill_ahead_count = count.get(t.view.id, 0)
-            by_id = {t.view.id: t for t in cands}
-            target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+            target = self._choose(facts, cands, now)
             if target is None:
                 continue
             if peers is not None and peers.predicted and facts.hops == 0:
@@ -465,9 +460,7 @@ class Scheduler:
                 if forwarded is not None:
                     out.append(forwarded)
                     continue
-            out.append(self._place(entry, target, now))
-            if not self.eligible(target, now):
-                p.drop(target)
+            out.append(self._push(entry, target, p, now))
         if held:
             out.extend(self._settle_held(held, p, queues, tries, now))
         return out
@@ -487,12 +480,9 @@ class Scheduler:
             cands = self._candidates(entry, p.for_model(facts.model), p.targets) if fit is not None else []
             if cands and self.affinity.release(entry, {t.view.id for t in cands}, self._live(entry, p.targets),
                                                running, waiting, fit[1], ahead):
-                by_id = {t.view.id: t for t in cands}
-                target = by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+                target = self._choose(facts, cands, now)
                 if target is not None:
-                    out.append(self._place(entry, target, now))
-                    if not self.eligible(target, now):
-                        p.drop(target)
+                    out.append(self._push(entry, target, p, now))
                     continue
             holder = None
             if queues and tries > 0:
@@ -503,6 +493,22 @@ class Scheduler:
                 continue
             out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy", waited=now - entry.enqueued_at))
         return out
+
+    def _choose(self, facts: RequestFacts, cands: list, now: float):
+        """The policy's choice among `cands` (None: none), each told this LB's prefill ahead there."""
+        ahead, count = self.backlog.ahead, self.backlog.ahead_count
+        for t in cands:
+            t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
+            t.view.prefill_ahead_count = count.get(t.view.id, 0)
+        by_id = {t.view.id: t for t in cands}
+        return by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+
+    def _push(self, entry: QueueEntry, target: Target, p: "_Pass", now: float) -> Placement:
+        """Place `entry` on `target`; a target the push made unavailable leaves the pass's free set."""
+        placed = self._place(entry, target, now)
+        if not self.eligible(target, now):
+            p.drop(target)
+        return placed
 
     def _open_queues(self, targets: list, now: float) -> dict:
         """The targets SP-P's gate shuts whose engine may still queue the requests it holds the
