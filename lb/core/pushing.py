@@ -85,9 +85,13 @@ OVERCOMMIT_UNSEEN = 8
 # Where the LB queues for long that mixes every replica's prefixes: apps whose popularity moves
 # (held-out `hot-shift`, 1,200-token system prompts, 1.3x) ran 16-21 apps a replica, each pinning
 # its prompt in the KV, and 40-50 requests where 90 fit, 0.81x llm-d's throughput; queued beside
-# their prefix (and `AffinityScheduler.release`), 0.99x. Its cost: in an engine that admits in
-# arrival order they wait behind what queued there before them (chat beside long documents on
-# SGLang as it ships, live past capacity: TTFT p50 1.35x; docs/results.md).
+# their prefix (and `AffinityScheduler.release`), 0.99x. In an engine that admits in arrival order
+# they wait behind what queued there before them: chat beside long documents on SGLang as it ships,
+# live past capacity, TTFT p50 1.35x what holding them here gave. So a single call joins there only
+# while this LB's pushes still prefilling there are on average no longer than it (a document's
+# prefill is not ahead of a chat), and only where some replica that could serve it lacks its prefix
+# (the scheduler's `_holder_queue`: where every one holds it, one line here drains into whichever
+# frees a slot first); live, p50 back to 1.07x (docs/results.md).
 OVERCOMMIT_QUEUE = 8
 # An engine that orders its waiting queue by the cache (SGLang `--schedule-policy lpm`, the default
 # of older releases; `ReplicaView.orders_by_prefix`, read from its /server_info) admits a request
@@ -134,18 +138,22 @@ def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
     return unseen < floor or view.pushed_tokens_since_probe < view.kv_free_tokens
 
 
-def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN, single: bool = False) -> bool:
+def holder_queue_open(view: ReplicaView, max_unseen: int = DEFAULT_MAX_UNSEEN,
+                      single_prompt: float | None = None) -> bool:
     """May a request whose prefix `view` holds join its engine's own queue, SP-P's gate shut?
     An engine seen to preempt (`OVERCOMMIT_QUEUE` says why) or one that admits the requests whose
     prefix it holds first (`view.orders_by_prefix`: the note under OVERCOMMIT_QUEUE); for a
-    `single` call (one that continues no interaction: what waits here for it is no rank in the
-    fair queue's interactions, `lb.core.scheduler`) any engine that reports its KV room, while
-    none of it is leased to the interactions under way (`lb.core.leases`). With what waits there
-    and the unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and, where its order is
-    its reason, under LPM_MAX_WAITING."""
+    single call of `single_prompt` tokens (one that continues no interaction: what waits here
+    for it is no rank in the fair queue's interactions, `lb.core.scheduler`) any engine that
+    reports its KV room, while none of it is leased to the interactions under way
+    (`lb.core.leases`) and this LB's pushes still prefilling there (`view.prefill_ahead`) are on
+    average no longer than it: the note under OVERCOMMIT_QUEUE. With what waits there and the
+    unseen pushes under what it runs (at least OVERCOMMIT_QUEUE), and, where its order is its
+    reason, under LPM_MAX_WAITING."""
     unseen = view.pushed_since_probe
     keeps_queue = view.requeues or view.orders_by_prefix or (
-        single and view.kv_free_tokens is not None and not view.leased_tokens)
+        single_prompt is not None and view.kv_free_tokens is not None and not view.leased_tokens
+        and view.prefill_ahead <= single_prompt * max(1, view.prefill_ahead_count))
     if not keeps_queue or not view.healthy or view.draining or unseen >= max_unseen:
         return False
     bound = max(OVERCOMMIT_QUEUE, view.running)

@@ -62,6 +62,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 import functools
+import math
 from enum import Enum
 from typing import Iterable, Protocol, Sequence
 
@@ -496,12 +497,16 @@ class Scheduler:
 
     def _choose(self, facts: RequestFacts, cands: list, now: float):
         """The policy's choice among `cands` (None: none), each told this LB's prefill ahead there."""
-        ahead, count = self.backlog.ahead, self.backlog.ahead_count
-        for t in cands:
-            t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
-            t.view.prefill_ahead_count = count.get(t.view.id, 0)
+        self._tell_ahead(cands)
         by_id = {t.view.id: t for t in cands}
         return by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+
+    def _tell_ahead(self, targets) -> None:
+        """Each target's view told this LB's prefill ahead there (lb.core.backlog)."""
+        ahead, count = self.backlog.ahead, self.backlog.ahead_count
+        for t in targets:
+            t.view.prefill_ahead = ahead.get(t.view.id, 0.0)
+            t.view.prefill_ahead_count = count.get(t.view.id, 0)
 
     def _push(self, entry: QueueEntry, target: Target, p: "_Pass", now: float) -> Placement:
         """Place `entry` on `target`; a target the push made unavailable leaves the pass's free set."""
@@ -517,18 +522,22 @@ class Scheduler:
             return {}
         max_unseen = self.cfg.max_unseen
         return {t.view.id: t for t in targets
-                if holder_queue_open(t.view, max_unseen, single=True) and (t.breaker is None or t.breaker.allows(now))
+                if holder_queue_open(t.view, max_unseen, math.inf) and (t.breaker is None or t.breaker.allows(now))
                 and not self.available(t.view)}
 
     def _any_open(self, queues: dict) -> bool:
         max_unseen = self.cfg.max_unseen
-        return any(holder_queue_open(t.view, max_unseen, single=True) for t in queues.values())
+        return any(holder_queue_open(t.view, max_unseen, math.inf) for t in queues.values())
 
     def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
         those holding its longest match, the one with the least waiting there or unseen, then
         the least prefill ahead): it goes into that engine's queue beside its prefix instead of
-        waiting here for it (and losing it). The policy is asked with that one candidate, so the
+        waiting here for it (and losing it). A single call does so only where some replica that
+        could serve it lacks its prefix: where every one holds it, whichever frees a slot first
+        serves it as well, and one line here for them all drains sooner than a line in each
+        engine (a chat service's system prompts beside long documents on SGLang as it ships:
+        live TTFT p50 1.35x that of waiting here; `holder_queue_open` and docs/results.md). The policy is asked with that one candidate, so the
         placement carries its decision (prefix match, predicted TTFT) as any other does. Asked to
         choose among the
         holders instead, the predicted-TTFT policy, which prices prefill ahead but not an
@@ -546,8 +555,11 @@ class Scheduler:
         bound rarely binds."""
         max_unseen = self.cfg.max_unseen
         single = not (declares(entry.facts) or recognized_continuation(entry.facts))
+        live = self._live(entry, targets)
+        single_prompt = max(1, entry.facts.prompt_tokens) if single and not self._held_everywhere(entry, live) else None
+        self._tell_ahead(queues.values())
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
-                  if holder_queue_open(t.view, max_unseen, single) and self._may_go(entry, t.view)
+                  if holder_queue_open(t.view, max_unseen, single_prompt) and self._may_go(entry, t.view)
                   and i not in entry.exclude}
         if not usable:
             return None
@@ -560,11 +572,15 @@ class Scheduler:
         # yet), since a long document's chunked prefill holds back what is admitted after it
         ahead = self.backlog.ahead
         target = min((usable[h] for h in holders), key=lambda t: (_queued(t.view), ahead.get(t.view.id, 0.0)))
-        live = self._live(entry, targets)
         rivals = [_queued(t.view) for t in targets if t is not target and t.view.id in live]
         if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):
             return None
         return target if self.policy.choose(entry.facts, [target.view], now) == target.view.id else None
+
+    def _held_everywhere(self, entry: QueueEntry, live: set[str]) -> bool:
+        """Every replica that could serve `entry` holds its prefix (at least `min_gain` of it)."""
+        depth, blocks, holders = self.affinity.memory.affinity(entry.facts, live)
+        return bool(blocks) and depth >= self.affinity.cfg.min_gain * blocks and len(holders) == len(live)
 
     def _uncached(self, facts: RequestFacts) -> float:
         """The prompt tokens the policy's last choice will not find cached (its prefix match)."""

@@ -247,8 +247,55 @@ def test_a_declared_interaction_and_a_leased_engine_keep_their_calls_in_the_lb()
     # the interactions under way lease that room (tests/core/test_leases.py: past capacity an
     # undeclared agent's next step finds its context held)
     view = ReplicaView(id="p", url="", engine="openai", running=4, pending=1)
-    assert not holder_queue_open(view, single=True)
+    assert not holder_queue_open(view, single_prompt=400)
     view.kv_free_tokens = 0
-    assert holder_queue_open(view, single=True) and not holder_queue_open(view)
+    assert holder_queue_open(view, single_prompt=400) and not holder_queue_open(view)
     view.leased_tokens = 5_000
-    assert not holder_queue_open(view, single=True)
+    assert not holder_queue_open(view, single_prompt=400)
+    # nor while this LB's pushes there still prefill longer prompts than the call's, on average:
+    # an engine that admits in arrival order would keep the call behind them (a chat behind a
+    # document)
+    view.leased_tokens = 0
+    view.prefill_ahead, view.prefill_ahead_count = 6_100.0, 2
+    assert not holder_queue_open(view, single_prompt=400)
+    view.prefill_ahead = 800.0
+    assert holder_queue_open(view, single_prompt=400)
+
+
+def busy_holders(third: bool = False, document_ahead: bool = False) -> list:
+    """Replicas `a` and `b` both hold a prompt many calls share and are busy (40 running, their
+    KV spent); with `third`, `c` is as busy and holds none of it. With `document_ahead`, a
+    6,000-token document of no prefix went to `a` and `b` before they filled and is still in
+    their prefill (no first token). Six single calls of that prompt arrive."""
+    s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=30.0)), make_policy("predicted-ttft"),
+                  make_queue("fcfs"))
+    _learned(s)
+    reps = [Rep(r, kv_free_tokens=20_000) for r in ("a", "b", "c")[:3 if third else 2]]
+    took(s, "root-a", reps[0], NOW - 2, seq=0)
+    took(s, "root-b", reps[1], NOW - 2, seq=1)
+    for rid, rep in (("root-a", reps[0]), ("root-b", reps[1])):
+        s.backlog.first_token(rid, NOW - 1.5)
+    if document_ahead:
+        for i, rep in enumerate(reps[:2]):
+            s.admit(QueueEntry(RequestFacts(f"doc{i}", "m", prompt=f"a document {i} " * 2000, prompt_tokens=6000),
+                               enqueued_at=NOW - 1, seq=2 + i), NOW - 1)
+            assert [p.target_id for p in s.schedule(NOW - 1, [rep])] == [rep.view.id]
+    for rep in reps:
+        rep.view.running, rep.view.pending, rep.view.pushed_since_probe, rep.view.kv_free_tokens = 40, 0, 0, 0
+    for i in range(6):
+        facts = RequestFacts(f"c{i}", "m", prompt=child(f"c{i}").prompt, prompt_tokens=1000, max_tokens=128)
+        s.admit(QueueEntry(facts, enqueued_at=NOW, seq=10 + i), NOW)
+    got = [(p.entry.facts.request_id, p.kind, p.target_id) for p in s.schedule(NOW, reps)]
+    return [g for g in got if g[1] is Kind.REPLICA], len(s)
+
+
+def test_a_single_call_waits_here_for_any_replica_when_every_one_holds_its_prefix_or_a_longer_prompt_is_ahead():
+    # c holds none of the prompt: the calls join their holders' engine queues, spread over a and b
+    placed, waiting = busy_holders(third=True)
+    assert waiting == 0 and {t for _, _, t in placed} == {"a", "b"}
+    # every replica holds it: whichever frees a slot first serves a call as well, so the calls
+    # wait here, one line for all of them, not one line per engine
+    assert busy_holders() == ([], 6)
+    # c holds none, but a document is still in a's and b's prefill: in an engine that admits in
+    # arrival order the calls would wait behind it, so they wait here
+    assert busy_holders(third=True, document_ahead=True) == ([], 6)
