@@ -261,8 +261,8 @@ class AffinityScheduler:
         TTFT p90 at 0.9x 2.35x llm-d's; released so, level (docs/results.md).
 
         `running`: what each target runs; `waiting`: what waits in its engine, the pushes it has
-        not reported included (the two are its load); `per_token_s`: the learned prefill time of
-        a token. A request that stays held counts in `ahead` for the next one."""
+        not reported included (the two are its load); `per_token_s`: a token's prefill time,
+        learned (`Scheduler._prefill_token_s`). A request that stays held counts in `ahead` for the next one."""
         memory, facts = self.memory, entry.facts
         depth_all, blocks, holders = memory.affinity(facts, live)
         if not blocks or not holders:

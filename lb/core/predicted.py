@@ -264,6 +264,10 @@ class PredictedTtftScorer(TrieMemory):  # a scorer part of lb.core.policies.Comp
     def decode_step_s(self) -> float | None:
         return self.model.typical_step()
 
+    def prefill_token_s(self) -> float | None:
+        step = self.model.typical_step()
+        return None if step is None else step * self.model.prefill_ratio()
+
     def forget(self, target_id: str) -> None:
         self.trie.forget(target_id)
         self.model.forget(target_id)

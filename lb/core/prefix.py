@@ -393,3 +393,6 @@ class TrieMemory:
     def decode_step_s(self) -> float | None:
         """A trie learns no rates (`lb.core.predicted` does)."""
         return None
+
+    def prefill_token_s(self) -> float | None:
+        return None

@@ -471,16 +471,16 @@ class Scheduler:
         it could: each takes a replica still free where waiting would cost it more than the prefill
         it redoes there (`AffinityScheduler.release`), else joins its holder's engine queue where
         that is open (`_holder_queue`), else waits here (a HOLD)."""
-        fit = self.backlog.fit()  # the learned prefill time a token; none yet: no release
+        per_token = self._prefill_token_s()
         running = {t.view.id: t.view.running for t in p.targets}
         waiting = {t.view.id: t.view.pending + t.view.pushed_since_probe for t in p.targets}
         ahead: Counter = Counter()
         out: list[Placement] = []
         for entry in held:
             facts = entry.facts
-            cands = self._candidates(entry, p.for_model(facts.model), p.targets) if fit is not None else []
+            cands = self._candidates(entry, p.for_model(facts.model), p.targets) if per_token is not None else []
             if cands and self.affinity.release(entry, {t.view.id for t in cands}, self._live(entry, p.targets),
-                                               running, waiting, fit[1], ahead):
+                                               running, waiting, per_token, ahead):
                 target = self._choose(facts, cands, now)
                 if target is not None:
                     out.append(self._push(entry, target, p, now))
@@ -494,6 +494,15 @@ class Scheduler:
                 continue
             out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy", waited=now - entry.enqueued_at))
         return out
+
+    def _prefill_token_s(self) -> float | None:
+        """A token's prefill time: fitted from first tokens (lb.core.backlog), or where none came
+        back (clients that do not stream) the policy's own estimate; None: no estimate yet."""
+        fit = self.backlog.fit()
+        if fit is not None:
+            return fit[1]
+        memory = self.affinity.memory
+        return memory.prefill_token_s() if memory is not None else None
 
     def _choose(self, facts: RequestFacts, cands: list, now: float):
         """The policy's choice among `cands` (None: none), each told this LB's prefill ahead there."""

@@ -172,6 +172,10 @@ class PrefixMemory(Protocol):
     def decode_step_s(self) -> float | None:
         """The fleet's typical inter-token time as learned from its answers (None: not learned)."""
 
+    def prefill_token_s(self) -> float | None:
+        """The prefill time of a token the policy's own model puts on a typical replica (None:
+        it keeps no rates)."""
+
 
 class Policy(Protocol):
     """Chooses among candidates that are already known to be available (the scheduler's

@@ -33,7 +33,9 @@ SECOND = FIRST + [{"role": "assistant", "content": ANSWER}, {"role": "user", "co
 
 def setup(answered: bool):
     """Replica `a` served the first turn and is now busy (a request waits in its engine); `b`
-    is free. The second turn arrives: the last answer is most of its prompt."""
+    is free, running as much as `a` (a fleet busy everywhere: a held request is not released
+    to it, lb.core.affinity `release`). The second turn arrives: the last answer is most of its
+    prompt."""
     s = Scheduler(SchedulerConfig(affinity=AffinityConfig(hold_s=5.0)), make_policy("predicted-ttft"),
                   make_queue("fcfs"))
     a, b = Rep("a"), Rep("b")
@@ -43,6 +45,7 @@ def setup(answered: bool):
     if answered:
         s.served(first, "a", 0.2, 5.0, len(ANSWER) // 4, NOW - 5)
     a.view.pending, a.view.pushed_since_probe = 1, 0  # its probe: busy
+    a.view.running = b.view.running = 8
     return s, a, b
 
 
@@ -50,8 +53,11 @@ def test_the_next_turn_waits_for_the_replica_that_holds_its_last_answer():
     s, a, b = setup(answered=True)
     s.admit(QueueEntry(turn("t1", SECOND), enqueued_at=NOW, seq=1), NOW)
     assert [(p.kind, p.reason) for p in s.schedule(NOW, [a, b])] == [(Kind.HOLD, "prefix-holder-busy")]
-    a.view.pending = 0  # the holder frees: the turn goes there
+    a.view.pending = 0  # the holder frees: the turn goes there, and spends the answer's record
     assert [p.target_id for p in s.schedule(NOW + 0.5, [a, b])] == ["a"]
+    second = turn("t1", SECOND)
+    depth, _, _ = s.affinity.memory.affinity(second, {"a"})
+    assert s.affinity.memory.answer_after(second, "a", depth, claim=False) == 0
 
 
 def test_only_the_request_held_for_an_answer_has_it_counted_when_it_is_placed():
@@ -76,22 +82,22 @@ def test_without_the_answer_the_trie_matches_too_little_to_wait():
 
 
 def test_an_answer_is_continued_once_so_a_fan_out_still_spreads():
-    """A tree's children all continue their parent's answer: the first to ask claims it (it waits
-    for the busy holder), the others weigh the holder by its prompts alone, as before, and go to
-    the free replica; placed on the holder, the first spends the record."""
+    """A tree's children all continue their parent's answer: the first to ask claims it (it is
+    held for the busy holder), the others weigh the holder by its prompts alone, as before, and
+    go to the free replica. The first, settled after them, finds that replica holding the
+    prompt too (its siblings' prefix) and follows them (lb.core.affinity `release`)."""
     s, a, b = setup(answered=True)
     memory = s.affinity.memory
     children = [turn(f"c{i}", FIRST + [{"role": "assistant", "content": ANSWER},
                                        {"role": "user", "content": f"Branch {i}: go on."}]) for i in range(3)]
     for i, c in enumerate(children):
         s.admit(QueueEntry(c, enqueued_at=NOW, seq=i + 1), NOW)
+    depth, _, _ = memory.affinity(children[1], {"a"})
     got = {p.entry.facts.request_id: (p.kind, p.target_id) for p in s.schedule(NOW, [a, b])}
-    assert got["c0"] == (Kind.HOLD, None)
     assert got["c1"] == got["c2"] == (Kind.REPLICA, "b")
-    a.view.pending = 0  # the holder frees
-    assert [p.target_id for p in s.schedule(NOW + 0.5, [a, b])] == ["a"]
-    depth, _, holders = memory.affinity(children[0], {"a"})
-    assert holders == ["a"] and memory.answer_after(children[0], "a", depth) == 0  # spent
+    assert got["c0"] == (Kind.REPLICA, "b")
+    # c0 claimed the answer: the others could not count it
+    assert memory.answer_after(children[1], "a", depth, claim=False) == 0
 
 
 def test_a_replica_that_leaves_takes_its_answers_with_it():
