@@ -282,10 +282,12 @@ class AffinityScheduler:
         redo_s = max(0.0, depth_all - depth_free) / blocks * max(1, facts.prompt_tokens) * per_token_s
         answer = facts.max_tokens if facts.max_tokens is not None else self.expected_output(facts)
         decode_s = (answer or DEFAULT_DECODE_RESERVE) * (memory.decode_step_s() or self.cfg.hold_per_token_s)
-        rate = sum(running.get(h, 0) for h in holders) / max(decode_s, 1e-3)
+        # an engine with requests waiting runs at least one: a probe that caught it between
+        # batches (none running) says nothing of its line, which is not endless
+        rate = max(1, sum(running.get(h, 0) for h in holders)) / max(decode_s, 1e-3)
         key = tuple(sorted(holders))
         before = ahead[key] + min(waiting.get(h, 0) for h in holders)
-        if rate > 0 and (before + 1) / rate <= redo_s:
+        if (before + 1) / rate <= redo_s:
             ahead[key] += 1
             return False
         return True

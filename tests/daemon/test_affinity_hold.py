@@ -110,7 +110,7 @@ async def conversation(lb_url: str, emu_urls: dict[str, str], next_lb_url: str |
     next_lb_url = next_lb_url or lb_url
     question = [{"role": "user", "content": "Plan a week in Lisbon for a family of four. " * 6}]
     async with aiohttp.ClientSession() as s:
-        body = {"model": "m", "messages": question, "max_tokens": 300, "ignore_eos": True}
+        body = {"model": "m", "messages": question, "max_tokens": 1200, "ignore_eos": True}
         async with s.post(lb_url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
             holder, answer = r.headers["X-LB-Replica"], (await r.json())["choices"][0]["message"]["content"]
@@ -133,7 +133,10 @@ def test_a_conversations_next_turn_waits_for_the_replica_holding_its_last_answer
     """The second turn is mostly the first turn's answer, which the prefix trie (prompts only)
     does not hold: it matched under `min_gain` of the prompt there and the turn went to the idle
     replica, recomputing its history. lb records where each answer ended, so it waits for it and
-    then goes there, though the holder still runs a batch of 16."""
+    then goes there, though the holder still runs a batch of 16: its history (~1,600 tokens, a
+    1,200-token answer) would take longer to prefill again than its line there takes to pass
+    (lb.core.affinity `release`; the clients do not stream, so the policy's own estimate prices
+    the prefill)."""
     (holder, served_by, sizes), access = two_replicas_behind_lb(tmp_path, 30.0, conversation)  # the default policy
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
