@@ -114,7 +114,8 @@ async def conversation(lb_url: str, emu_urls: dict[str, str], next_lb_url: str |
         async with s.post(lb_url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
             holder, answer = r.headers["X-LB-Replica"], (await r.json())["choices"][0]["message"]["content"]
-        fillers = [asyncio.ensure_future(post(s, emu_urls[holder], f"{i} {FILLER}", 200)) for i in range(16)]
+        # 8 fillers: 5 run and 3 wait, a line shorter than the history's prefill elsewhere
+        fillers = [asyncio.ensure_future(post(s, emu_urls[holder], f"{i} {FILLER}", 200)) for i in range(8)]
         deadline = time.monotonic() + 10
         while not await lb_sees_pending(s, next_lb_url, holder):
             assert time.monotonic() < deadline, "the LB never saw the holder's queue"
@@ -133,10 +134,11 @@ def test_a_conversations_next_turn_waits_for_the_replica_holding_its_last_answer
     """The second turn is mostly the first turn's answer, which the prefix trie (prompts only)
     does not hold: it matched under `min_gain` of the prompt there and the turn went to the idle
     replica, recomputing its history. lb records where each answer ended, so it waits for it and
-    then goes there, though the holder still runs a batch of 16: its history (~1,600 tokens, a
-    1,200-token answer) would take longer to prefill again than its line there takes to pass
-    (lb.core.affinity `release`; the clients do not stream, so the policy's own estimate prices
-    the prefill)."""
+    then goes there, though the holder still runs a batch with more waiting: its history (~1,600
+    tokens, a 1,200-token answer) would take longer to prefill again than its line there takes to
+    pass (lb.core.affinity `release`; the clients do not stream, so the policy's own estimate
+    prices the prefill). With 16 fillers waiting and a 300-token answer it is released to the
+    idle replica, rightly: the line there outlasts the prefill."""
     (holder, served_by, sizes), access = two_replicas_behind_lb(tmp_path, 30.0, conversation)  # the default policy
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})

@@ -129,7 +129,7 @@ def test_a_prefix_lands_on_the_same_replica_whichever_instance_receives_it(tmp_p
 
 def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer(tmp_path: Path, procs, redis_url):
     """Turn one through `a`, turn two, mostly turn one's answer, through `b` while the holder runs
-    a batch of 16: `b` learned from `a` where the answer sits, not only the prompt (which matches
+    a batch with more waiting: `b` learned from `a` where the answer sits, not only the prompt (which matches
     under `min_gain` of turn two), so it waits for the holder as `a` would (the one-instance
     case: tests/daemon/test_affinity_hold.py)."""
     urls = {}
@@ -145,7 +145,11 @@ def test_a_conversations_next_turn_at_another_instance_waits_for_its_last_answer
     procs.extend([a.proc, b.proc])
     both_subscribed(redis_url, "turns:")
     holder, served_by, sizes = asyncio.run(asyncio.wait_for(conversation(a.url, urls, b.url), 60))
-    access = [json.loads(x) for x in b.proc.log_path.read_text().splitlines() if x.startswith('{"request_id"')]
+    deadline = time.monotonic() + 5  # the access log is written after the answer went out
+    while not (access := [json.loads(x) for x in b.proc.log_path.read_text().splitlines()
+                          if x.startswith('{"request_id"')]):
+        assert time.monotonic() < deadline, "b never logged the second turn"
+        time.sleep(0.02)
     second = access[-1]
     print(sizes, {k: second[k] for k in ("target", "decision", "matched_blocks", "prompt_blocks")})
     assert second["matched_blocks"] < AffinityConfig().min_gain * second["prompt_blocks"], second  # the prompt alone would not hold it
