@@ -262,7 +262,8 @@ class AffinityScheduler:
 
         `running`: what each target runs; `waiting`: what waits in its engine, the pushes it has
         not reported included (the two are its load); `per_token_s`: a token's prefill time,
-        learned (`Scheduler._prefill_token_s`). A request that stays held counts in `ahead` for the next one."""
+        learned (`Scheduler._prefill_token_s`). A request that stays held counts in `ahead` for
+        the next one."""
         memory, facts = self.memory, entry.facts
         depth_all, blocks, holders = memory.affinity(facts, live)
         if not blocks or not holders:

@@ -546,10 +546,10 @@ class Scheduler:
         could serve it lacks its prefix: where every one holds it, whichever frees a slot first
         serves it as well, and one line here for them all drains sooner than a line in each
         engine (a chat service's system prompts beside long documents on SGLang as it ships:
-        live TTFT p50 1.35x that of waiting here; `holder_queue_open` and docs/results.md). The policy is asked with that one candidate, so the
-        placement carries its decision (prefix match, predicted TTFT) as any other does. Asked to
-        choose among the
-        holders instead, the predicted-TTFT policy, which prices prefill ahead but not an
+        live TTFT p50 1.35x that of waiting here; `holder_queue_open` and docs/results.md). The
+        policy is asked with that one candidate, so the placement carries its decision (prefix
+        match, predicted TTFT) as any other does. Asked to choose among the holders instead, the
+        predicted-TTFT policy, which prices prefill ahead but not an
         engine's waiting queue, did worse than the shortest queue (long-short with `lpm`
         engines at 1.3x, 3 seeds: TTFT p90 7.0 s against 3.8).
 
@@ -563,9 +563,12 @@ class Scheduler:
         share of the prefixes (SGLang's shared-prefix benchmark) the queues stay alike and the
         bound rarely binds."""
         max_unseen = self.cfg.max_unseen
-        single = not (declares(entry.facts) or recognized_continuation(entry.facts))
         live = self._live(entry, targets)
-        single_prompt = max(1, entry.facts.prompt_tokens) if single and not self._held_everywhere(entry, live) else None
+        single_prompt = None  # a single call's own way in; asked only where an engine has no other
+        if (not all(t.view.requeues or t.view.orders_by_prefix for t in queues.values())
+                and not (declares(entry.facts) or recognized_continuation(entry.facts))
+                and not self._held_everywhere(entry, live)):
+            single_prompt = max(1, entry.facts.prompt_tokens)
         self._tell_ahead(queues.values())
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
                   if holder_queue_open(t.view, max_unseen, single_prompt) and self._may_go(entry, t.view)
