@@ -190,11 +190,18 @@ def _queued(view: ReplicaView) -> int:
 
 class _Pass:
     """The free targets of one pass, per model, found when an entry first asks for the
-    model and shrinking as pushes fill them (a pass for one model looks at its replicas only)."""
+    model and shrinking as pushes fill them (a pass for one model looks at its replicas only).
+
+    A pass asks the same questions of the same targets for every entry it walks, and past
+    capacity it walks hundreds: each target's eligibility is read once (again only after a
+    placement there), and the targets an entry could go to once per model. Both change within a
+    pass only through its own placements, which `placed` is told of."""
 
     def __init__(self, scheduler: "Scheduler", targets: list, now: float):
         self.scheduler, self.targets, self.now = scheduler, targets, now
         self.by_model: dict[str, list] = {}
+        self._eligible: dict[str, bool] = {}  # target id → eligible, as of its last placement this pass
+        self._live: dict[str, set[str]] = {}  # model → the healthy targets serving it (`Scheduler._live`)
 
     @functools.cached_property
     def preempted_at(self) -> dict[str, float]:
@@ -202,16 +209,36 @@ class _Pass:
         AffinityScheduler.hold); built only when a pass first weighs a hold."""
         return {t.view.id: t.view.preempted_at for t in self.targets if t.view.preempted_at is not None}
 
+    def eligible(self, target) -> bool:
+        known = self._eligible.get(target.view.id)
+        if known is None:
+            known = self._eligible[target.view.id] = self.scheduler.eligible(target, self.now)
+        return known
+
     def for_model(self, model: str) -> list:
         cands = self.by_model.get(model)
         if cands is None:
-            eligible, now = self.scheduler.eligible, self.now
-            cands = self.by_model[model] = [t for t in self.targets if t.view.serves(model) and eligible(t, now)]
+            eligible = self.eligible
+            cands = self.by_model[model] = [t for t in self.targets if t.view.serves(model) and eligible(t)]
         return cands
 
     def free_ids(self, models: Iterable[str]) -> set[str]:
         """The free targets of the waiting models: where cache-affine ordering looks for prefixes."""
         return {t.view.id for m in models for t in self.for_model(m)}
+
+    def live(self, entry: QueueEntry) -> set[str]:
+        """`Scheduler._live`, kept per model for the entries with no limits of their own."""
+        if entry.accepts is not None:
+            return self.scheduler._live(entry, self.targets)
+        model = entry.facts.model
+        ids = self._live.get(model)
+        if ids is None:
+            ids = self._live[model] = self.scheduler._live(entry, self.targets)
+        return ids
+
+    def placed(self, target) -> None:
+        """A request went to `target`: its eligibility is read again when next asked."""
+        self._eligible.pop(target.view.id, None)
 
     def drop(self, target) -> None:
         for cands in self.by_model.values():
@@ -408,7 +435,7 @@ class Scheduler:
         waiting = [m for m, n in self._waiting.items() if n]
         memory = self.affinity.memory
         # replicas whose engine keeps its own queue for the prefixes it holds (`holder_queue_open`)
-        queues = self._open_queues(p.targets, now) if memory is not None else {}
+        queues = self._open_queues(p) if memory is not None else {}
         tries = HOLDER_QUEUE_TRIES  # prefix lookups for them this pass: a long queue is not walked whole
         if not peers_open and not queues and not any(p.for_model(m) for m in waiting):
             return []  # nothing queued has a free target: skip walking the backlog
@@ -423,9 +450,10 @@ class Scheduler:
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
             if not cands and queues and tries > 0:
                 tries -= 1
-                holder = self._holder_queue(entry, queues, now, p.targets)
+                holder = self._holder_queue(entry, queues, now, p)
                 if holder is not None:
                     out.append(self._place(entry, holder, now))
+                    p.placed(holder)
                     continue
             if not cands:
                 placed = self._to_peer(entry, peers, now, p.targets) if peers_open else None
@@ -449,8 +477,7 @@ class Scheduler:
                 # a hold for a holder that preempts ends while no more wait here than replicas are
                 # free: then the free one would idle (AffinityScheduler.hold)
                 preempted = p.preempted_at if len(self.queue) <= len(cands) else None
-                if self.affinity.hold(entry, now, {t.view.id for t in cands}, self._live(entry, p.targets),
-                                      preempted):
+                if self.affinity.hold(entry, now, {t.view.id for t in cands}, p.live(entry), preempted):
                     held.append(entry)  # settled once the others have taken what they can
                     continue
             target = self._choose(facts, cands, now)
@@ -479,8 +506,8 @@ class Scheduler:
         for entry in held:
             facts = entry.facts
             cands = self._candidates(entry, p.for_model(facts.model), p.targets) if per_token is not None else []
-            if cands and self.affinity.release(entry, {t.view.id for t in cands}, self._live(entry, p.targets),
-                                               running, waiting, per_token, ahead):
+            if cands and self.affinity.release(entry, {t.view.id for t in cands}, p.live(entry), running, waiting,
+                                               per_token, ahead):
                 target = self._choose(facts, cands, now)
                 if target is not None:
                     out.append(self._push(entry, target, p, now))
@@ -488,9 +515,10 @@ class Scheduler:
             holder = None
             if queues and tries > 0:
                 tries -= 1
-                holder = self._holder_queue(entry, queues, now, p.targets)
+                holder = self._holder_queue(entry, queues, now, p)
             if holder is not None:
                 out.append(self._place(entry, holder, now))
+                p.placed(holder)
                 continue
             out.append(Placement(entry, Kind.HOLD, reason="prefix-holder-busy", waited=now - entry.enqueued_at))
         return out
@@ -520,25 +548,28 @@ class Scheduler:
     def _push(self, entry: QueueEntry, target: Target, p: "_Pass", now: float) -> Placement:
         """Place `entry` on `target`; a target the push made unavailable leaves the pass's free set."""
         placed = self._place(entry, target, now)
-        if not self.eligible(target, now):
+        p.placed(target)
+        if not p.eligible(target):
             p.drop(target)
         return placed
 
-    def _open_queues(self, targets: list, now: float) -> dict:
+    def _open_queues(self, p: "_Pass") -> dict:
         """The targets SP-P's gate shuts whose engine may still queue the requests it holds the
         prefix of (an engine seen to preempt: lb.core.pushing.holder_queue_open)."""
         if self.mode is not Pushing.SP_PENDING:
             return {}
-        max_unseen = self.cfg.max_unseen
-        return {t.view.id: t for t in targets
-                if holder_queue_open(t.view, max_unseen, math.inf) and (t.breaker is None or t.breaker.allows(now))
-                and not self.available(t.view)}
+        max_unseen, now = self.cfg.max_unseen, p.now
+        # SP-P's gate shut, the breaker closed not being why (eligibility first: below capacity
+        # nearly every target is, and a pass reads it anyway)
+        return {t.view.id: t for t in p.targets
+                if not p.eligible(t) and (t.breaker is None or t.breaker.allows(now))
+                and holder_queue_open(t.view, max_unseen, math.inf)}
 
     def _any_open(self, queues: dict) -> bool:
         max_unseen = self.cfg.max_unseen
         return any(holder_queue_open(t.view, max_unseen, math.inf) for t in queues.values())
 
-    def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, targets: list):
+    def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, p: "_Pass"):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of
         those holding its longest match, the one with the least waiting there or unseen, then
         the least prefill ahead): it goes into that engine's queue beside its prefix instead of
@@ -562,20 +593,28 @@ class Scheduler:
         completed, and now 1.07x what it did (docs/results.md). Where every replica holds its
         share of the prefixes (SGLang's shared-prefix benchmark) the queues stay alike and the
         bound rarely binds."""
-        max_unseen = self.cfg.max_unseen
-        live = self._live(entry, targets)
-        single_prompt = None  # a single call's own way in; asked only where an engine has no other
-        if (not all(t.view.requeues or t.view.orders_by_prefix for t in queues.values())
-                and not (declares(entry.facts) or recognized_continuation(entry.facts))
-                and not self._held_everywhere(entry, live)):
-            single_prompt = max(1, entry.facts.prompt_tokens)
+        max_unseen, facts = self.cfg.max_unseen, entry.facts
+        # a single call (one that continues no interaction) may have a way in of its own
+        single = (not all(t.view.requeues or t.view.orders_by_prefix for t in queues.values())
+                  and not (declares(facts) or recognized_continuation(facts)))
         self._tell_ahead(queues.values())
+        widest = max(1, facts.prompt_tokens) if single else None
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
-                  if holder_queue_open(t.view, max_unseen, single_prompt) and self._may_go(entry, t.view)
+                  if holder_queue_open(t.view, max_unseen, widest) and self._may_go(entry, t.view)
                   and i not in entry.exclude}
         if not usable:
             return None
-        depth, blocks, holders = self.affinity.memory.affinity(entry.facts, usable.keys())
+        live = p.live(entry)
+        # Past capacity most entries asked find every such queue far longer than the others' (the
+        # bound below): known before any prefix lookup, since it holds for the holder chosen
+        loads = {t.view.id: _queued(t.view) for t in p.targets if t.view.id in live}
+        if not any(self._within_rivals(t, loads) for t in usable.values()):
+            return None
+        if single and self._held_everywhere(entry, live):  # then one line here serves it as well
+            usable = {i: t for i, t in usable.items() if holder_queue_open(t.view, max_unseen, None)}
+            if not usable:
+                return None
+        depth, blocks, holders = self.affinity.memory.affinity(facts, usable.keys())
         if not blocks or not holders or depth < self.affinity.cfg.min_gain * blocks:
             return None
         # every replica holding the match is as good a cache: the least queued takes it, so a prefix
@@ -584,10 +623,19 @@ class Scheduler:
         # yet), since a long document's chunked prefill holds back what is admitted after it
         ahead = self.backlog.ahead
         target = min((usable[h] for h in holders), key=lambda t: (_queued(t.view), ahead.get(t.view.id, 0.0)))
-        rivals = [_queued(t.view) for t in targets if t is not target and t.view.id in live]
-        if rivals and _queued(target.view) >= OVERCOMMIT_QUEUE + 2 * sum(rivals) / len(rivals):
+        if not self._within_rivals(target, loads):
             return None
-        return target if self.policy.choose(entry.facts, [target.view], now) == target.view.id else None
+        return target if self.policy.choose(facts, [target.view], now) == target.view.id else None
+
+    @staticmethod
+    def _within_rivals(target, loads: dict[str, int]) -> bool:
+        """Is `target`'s engine queue under OVERCOMMIT_QUEUE past twice the mean of the others'
+        that could serve the request (`loads`: each one's `_queued`)? (`_holder_queue`)"""
+        own = _queued(target.view)
+        others = len(loads) - (target.view.id in loads)
+        if not others:
+            return True
+        return own < OVERCOMMIT_QUEUE + 2 * (sum(loads.values()) - loads.get(target.view.id, 0)) / others
 
     def _held_everywhere(self, entry: QueueEntry, live: set[str]) -> bool:
         """Every replica that could serve `entry` holds its prefix (at least `min_gain` of it)."""
