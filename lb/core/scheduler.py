@@ -202,6 +202,9 @@ class _Pass:
         self.by_model: dict[str, list] = {}
         self._eligible: dict[str, bool] = {}  # target id → eligible, as of its last placement this pass
         self._live: dict[str, set[str]] = {}  # model → the healthy targets serving it (`Scheduler._live`)
+        self._loads: dict[str, dict[str, int]] = {}  # model → its live targets' engine queues, until a placement
+        self.told = False  # the open engine queues' views told the prefill ahead, since the last placement
+        self.all_keep: bool | None = None  # every open engine queue keeps one for any request (`_holder_queue`)
 
     @functools.cached_property
     def preempted_at(self) -> dict[str, float]:
@@ -236,9 +239,23 @@ class _Pass:
             ids = self._live[model] = self.scheduler._live(entry, self.targets)
         return ids
 
+    def loads(self, entry: QueueEntry) -> dict[str, int]:
+        """What waits in the engine of each target `entry` could go to (`_queued`)."""
+        if entry.accepts is not None:
+            return {t.view.id: _queued(t.view) for t in self.targets if t.view.id in self.live(entry)}
+        model = entry.facts.model
+        loads = self._loads.get(model)
+        if loads is None:
+            live = self.live(entry)
+            loads = self._loads[model] = {t.view.id: _queued(t.view) for t in self.targets if t.view.id in live}
+        return loads
+
     def placed(self, target) -> None:
-        """A request went to `target`: its eligibility is read again when next asked."""
+        """A request went to `target`: its eligibility, the engine queues and the prefill ahead
+        are read again when next asked."""
         self._eligible.pop(target.view.id, None)
+        self._loads.clear()
+        self.told = False
 
     def drop(self, target) -> None:
         for cands in self.by_model.values():
@@ -594,10 +611,13 @@ class Scheduler:
         share of the prefixes (SGLang's shared-prefix benchmark) the queues stay alike and the
         bound rarely binds."""
         max_unseen, facts = self.cfg.max_unseen, entry.facts
+        if p.all_keep is None:
+            p.all_keep = all(t.view.requeues or t.view.orders_by_prefix for t in queues.values())
         # a single call (one that continues no interaction) may have a way in of its own
-        single = (not all(t.view.requeues or t.view.orders_by_prefix for t in queues.values())
-                  and not (declares(facts) or recognized_continuation(facts)))
-        self._tell_ahead(queues.values())
+        single = not p.all_keep and not (declares(facts) or recognized_continuation(facts))
+        if not p.told:
+            self._tell_ahead(queues.values())
+            p.told = True
         widest = max(1, facts.prompt_tokens) if single else None
         usable = {i: t for i, t in queues.items()  # each push here narrows it: asked again each time
                   if holder_queue_open(t.view, max_unseen, widest) and self._may_go(entry, t.view)
@@ -607,7 +627,7 @@ class Scheduler:
         live = p.live(entry)
         # Past capacity most entries asked find every such queue far longer than the others' (the
         # bound below): known before any prefix lookup, since it holds for the holder chosen
-        loads = {t.view.id: _queued(t.view) for t in p.targets if t.view.id in live}
+        loads = p.loads(entry)
         if not any(self._within_rivals(t, loads) for t in usable.values()):
             return None
         if single and self._held_everywhere(entry, live):  # then one line here serves it as well
