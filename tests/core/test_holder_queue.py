@@ -171,6 +171,9 @@ def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
 
     assert placed(others_waiting=1) == []  # 20 waiting there against 1: they wait in the LB
     assert placed(others_waiting=8) == ["c0", "c1", "c2"]  # 20 against 8: within 8 past twice 8
+    # against 7 the bound is 22, and 21 are there (the root's push not yet probed): the pass's own
+    # push there reaches it, and the rest wait in the LB
+    assert placed(others_waiting=7) == ["c0"]
 
 
 def held(preempted_at: dict[str, float], behind: int = 0) -> list:
