@@ -240,14 +240,15 @@ class _Pass:
         return ids
 
     def loads(self, entry: QueueEntry) -> dict[str, int]:
-        """What waits in the engine of each target `entry` could go to (`_queued`)."""
-        if entry.accepts is not None:
-            return {t.view.id: _queued(t.view) for t in self.targets if t.view.id in self.live(entry)}
+        """What waits in the engine of each target `entry` could go to (`_queued`), kept per
+        model as `live` is, until a placement."""
         model = entry.facts.model
-        loads = self._loads.get(model)
+        loads = self._loads.get(model) if entry.accepts is None else None
         if loads is None:
             live = self.live(entry)
-            loads = self._loads[model] = {t.view.id: _queued(t.view) for t in self.targets if t.view.id in live}
+            loads = {t.view.id: _queued(t.view) for t in self.targets if t.view.id in live}
+            if entry.accepts is None:
+                self._loads[model] = loads
         return loads
 
     def placed(self, target) -> None:
@@ -602,7 +603,7 @@ class Scheduler:
         engines at 1.3x, 3 seeds: TTFT p90 7.0 s against 3.8).
 
         Not while the holder's queue is more than OVERCOMMIT_QUEUE past twice the mean of the
-        other replicas' that could serve it (`targets`): then it waits here for any free one.
+        other replicas' that could serve it (`_within_rivals`): then it waits here for any free one.
         What the holder runs bounds its queue (`holder_queue_open`), and one replica holding a
         prefix that many requests share (a chat service's system prompt beside long documents,
         held-out `long-short` at 1.3x capacity in the simulator) queued ~90 of them, all it ran,
