@@ -181,6 +181,10 @@ class PrefixTrie:
             return 0, []
         return lo, [t for t in self._nodes[chain[lo - 1]] if wanted is None or t in wanted]
 
+    def holders(self, block: bytes) -> Collection[str]:
+        """The targets holding `block` (and every block before it in its chain)."""
+        return self._nodes.get(block, ())
+
     def depths(self, chain: Chain, targets: Collection[str]) -> dict[str, int]:
         """Each target's own matched blocks of `chain` (0 for a target holding none of it):
         one `match` per distinct depth among the targets, deepest first, not one per target."""
@@ -362,6 +366,11 @@ class TrieMemory:
         chain = request_chain(req, self.block_chars, self.isolate_tenants)
         depth, holders = self.trie.match(chain, targets)
         return depth, len(chain), holders
+
+    def opening_holders(self, req: RequestFacts) -> Collection[str]:
+        """The targets holding the first block of `req`'s prompt: every match starts there."""
+        chain = request_chain(req, self.block_chars, self.isolate_tenants)
+        return self.trie.holders(chain[0]) if chain else ()
 
     def answered(self, req: RequestFacts, target_id: str, output_tokens: int) -> None:
         """`target_id` answered `req` with `output_tokens` tokens: its engine now holds them after

@@ -98,6 +98,16 @@ class Kind(str, Enum):
 # own queue (`_holder_queue`): with every replica's SP-P gate shut the pass no longer stops at the
 # first request, and a queue of thousands must not cost thousands of prefix matches per probe.
 HOLDER_QUEUE_TRIES = 64
+# ...and how many it may pass over first without one, for want of any such replica within its
+# rivals' bound that holds even the first block of their prompt (`_holder_queue_worth`: a dict
+# lookup, where a match costs the open queues' checks and two lookups). Past capacity most
+# requests the pass walks are such (their prefix's holders queue too much already): the 64
+# lookups went on them, ~0.2 % finding a queue (document Q&A at 1.3x), and the requests further
+# back whose holders had room waited here. Passing them over (1.3x capacity, 3 seeds, the
+# simulator): document Q&A 5.41 -> 6.43 req/s on vLLM-like engines, 5.39 -> 6.50 on SGLang's,
+# shared-prefix 4.06 -> 4.20, the rest of the suite the same; and the pass's CPU past capacity
+# halved (docs/results.md, forty-sixth session).
+HOLDER_QUEUE_GLANCES = 256
 
 # Why a request is rejected (the daemon maps each to one HTTP answer: lb.daemon.dispatch.Dispatcher._error).
 QUEUE_FULL = "queue_full"
@@ -205,6 +215,9 @@ class _Pass:
         self._loads: dict[str, dict[str, int]] = {}  # model → its live targets' engine queues, until a placement
         self.told = False  # the open engine queues' views told the prefill ahead, since the last placement
         self.all_keep: bool | None = None  # every open engine queue keeps one for any request (`_holder_queue`)
+        self.tries, self.glances = HOLDER_QUEUE_TRIES, HOLDER_QUEUE_GLANCES  # (`Scheduler._join_holder`)
+        self._ready: dict[str, set[str]] = {}  # model → open engine queues within their rivals' bound, until a placement
+        self._any_open: bool | None = None  # `Scheduler._any_open`, until a placement
 
     @functools.cached_property
     def preempted_at(self) -> dict[str, float]:
@@ -256,7 +269,26 @@ class _Pass:
         are read again when next asked."""
         self._eligible.pop(target.view.id, None)
         self._loads.clear()
+        self._ready.clear()
+        self._any_open = None
         self.told = False
+
+    def ready(self, entry: QueueEntry, queues: dict) -> set[str]:
+        """The open engine queues in `queues` (for any request: `holder_queue_open` with no bound on
+        the prompt) within their rivals' bound for `entry`'s model (`Scheduler._within_rivals`):
+        the only ones `Scheduler._holder_queue` may pick for an entry with no limits of its own."""
+        model = entry.facts.model
+        ready = self._ready.get(model)
+        if ready is None:
+            loads, max_unseen, within = self.loads(entry), self.scheduler.cfg.max_unseen, self.scheduler._within_rivals
+            ready = self._ready[model] = {i for i, t in queues.items() if t.view.serves(model)
+                                          and holder_queue_open(t.view, max_unseen, math.inf) and within(t, loads)}
+        return ready
+
+    def any_open(self, queues: dict) -> bool:
+        if self._any_open is None:
+            self._any_open = self.scheduler._any_open(queues)
+        return self._any_open
 
     def drop(self, target) -> None:
         for cands in self.by_model.values():
@@ -454,7 +486,6 @@ class Scheduler:
         memory = self.affinity.memory
         # replicas whose engine keeps its own queue for the prefixes it holds (`holder_queue_open`)
         queues = self._open_queues(p) if memory is not None else {}
-        tries = HOLDER_QUEUE_TRIES  # prefix lookups for them this pass: a long queue is not walked whole
         if not peers_open and not queues and not any(p.for_model(m) for m in waiting):
             return []  # nothing queued has a free target: skip walking the backlog
         free_ids = p.free_ids(waiting) if memory is not None else ()
@@ -466,9 +497,8 @@ class Scheduler:
             if facts.model in blocked:
                 continue
             cands = self._candidates(entry, p.for_model(facts.model), p.targets)
-            if not cands and queues and tries > 0:
-                tries -= 1
-                holder = self._holder_queue(entry, queues, now, p)
+            if not cands and queues:
+                holder = self._join_holder(entry, queues, now, p)
                 if holder is not None:
                     out.append(self._place(entry, holder, now))
                     p.placed(holder)
@@ -480,7 +510,7 @@ class Scheduler:
                     if placed.kind is Kind.PEER:
                         peers_open = peers.open(now)
                     continue
-                if self._widest(entry, peers_open) and not (tries > 0 and self._any_open(queues)):
+                if self._widest(entry, peers_open) and not (p.tries > 0 and p.any_open(queues)):
                     blocked.add(facts.model)
                     if len(blocked) >= len(waiting):
                         break  # nothing behind can be placed either
@@ -508,10 +538,10 @@ class Scheduler:
                     continue
             out.append(self._push(entry, target, p, now))
         if held:
-            out.extend(self._settle_held(held, p, queues, tries, now))
+            out.extend(self._settle_held(held, p, queues, now))
         return out
 
-    def _settle_held(self, held: list[QueueEntry], p: "_Pass", queues: dict, tries: int, now: float) -> list[Placement]:
+    def _settle_held(self, held: list[QueueEntry], p: "_Pass", queues: dict, now: float) -> list[Placement]:
         """The requests held for a busy holder this pass, after every other request has taken what
         it could: each takes a replica still free where waiting would cost it more than the prefill
         it redoes there (`AffinityScheduler.release`), else joins its holder's engine queue where
@@ -530,10 +560,7 @@ class Scheduler:
                 if target is not None:
                     out.append(self._push(entry, target, p, now))
                     continue
-            holder = None
-            if queues and tries > 0:
-                tries -= 1
-                holder = self._holder_queue(entry, queues, now, p)
+            holder = self._join_holder(entry, queues, now, p) if queues else None
             if holder is not None:
                 out.append(self._place(entry, holder, now))
                 p.placed(holder)
@@ -586,6 +613,28 @@ class Scheduler:
     def _any_open(self, queues: dict) -> bool:
         max_unseen = self.cfg.max_unseen
         return any(holder_queue_open(t.view, max_unseen, math.inf) for t in queues.values())
+
+    def _join_holder(self, entry: QueueEntry, queues: dict, now: float, p: "_Pass"):
+        """`_holder_queue` within the pass's budget: HOLDER_QUEUE_TRIES lookups, and before them
+        up to HOLDER_QUEUE_GLANCES entries passed over that no ready queue could take
+        (`_holder_queue_worth`)."""
+        if p.tries <= 0:
+            return None
+        if p.glances > 0 and not self._holder_queue_worth(entry, queues, p):
+            p.glances -= 1
+            return None
+        p.tries -= 1
+        return self._holder_queue(entry, queues, now, p)
+
+    def _holder_queue_worth(self, entry: QueueEntry, queues: dict, p: "_Pass") -> bool:
+        """Could `_holder_queue` place `entry`? False only where it could not: no open engine queue
+        within its rivals' bound (`_Pass.ready`) holds the prompt's first block, where every match
+        starts (the trie forgets a prefix's blocks deepest first). An entry with limits of its own
+        is looked up whole."""
+        if entry.accepts is not None or entry.exclude:
+            return True
+        ready = p.ready(entry, queues)
+        return bool(ready) and any(t in ready for t in self.affinity.memory.opening_holders(entry.facts))
 
     def _holder_queue(self, entry: QueueEntry, queues: dict, now: float, p: "_Pass"):
         """The replica in `queues` that holds at least `min_gain` of `entry`'s prompt, if any (of

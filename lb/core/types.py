@@ -157,6 +157,9 @@ class PrefixMemory(Protocol):
         """(matched blocks, prompt blocks, holders) of the longest prefix of `req` that a
         target in `targets` holds."""
 
+    def opening_holders(self, req: "RequestFacts") -> Collection[str]:
+        """The targets holding the first block of `req`'s prompt (every match starts there)."""
+
     def cache_size(self, target_id: str, kv_tokens: int, bytes_per_token: float) -> None:
         """The target's engine holds `kv_tokens` of KV in all, `bytes_per_token` of prompt each:
         remember no more than fits."""

@@ -9,7 +9,7 @@ from lb.core.affinity import AffinityConfig
 from lb.core.policies import make_policy
 from lb.core.pushing import LPM_MAX_WAITING, OVERCOMMIT_QUEUE, holder_queue_open
 from lb.core.queueing import make_queue
-from lb.core.scheduler import Kind, Scheduler, SchedulerConfig
+from lb.core.scheduler import HOLDER_QUEUE_GLANCES, HOLDER_QUEUE_TRIES, Kind, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 
 NOW = 1000.0
@@ -174,6 +174,28 @@ def test_a_holders_queue_far_longer_than_the_other_replicas_takes_no_more():
     # against 7 the bound is 22, and 21 are there (the root's push not yet probed): the pass's own
     # push there reaches it, and the rest wait in the LB
     assert placed(others_waiting=7) == ["c0"]
+
+
+def test_a_call_far_back_in_the_queue_finds_its_holders_room_and_a_pass_stays_bounded():
+    """Past capacity most queued requests have no engine queue that could take them (none holds
+    their prefix, or its holders queue too much already). A pass passes over such requests without a
+    prefix lookup (HOLDER_QUEUE_GLANCES of them) before spending its lookups (HOLDER_QUEUE_TRIES), so a
+    tree's call far back whose holder has room joins it there; a longer queue costs a pass no more."""
+
+    def placed(ahead: int) -> list:
+        s, a, b, _ = three_replicas()
+        took(s, "root", a, NOW - 1, seq=0)
+        a.view.pending, a.view.running, a.view.requeues = 3, 6, True  # full, room for 4 more in its queue
+        b.view.pending, b.view.running, b.view.requeues = 3, 6, True
+        for i in range(ahead):  # unrelated requests before it: nothing of theirs is cached anywhere
+            s.admit(QueueEntry(other(f"x{i}"), enqueued_at=NOW, seq=i + 1), NOW)
+        s.admit(QueueEntry(child("c1"), enqueued_at=NOW, seq=ahead + 1), NOW)
+        return [(p.entry.facts.request_id, p.target_id) for p in s.schedule(NOW, [a, b]) if p.kind is Kind.REPLICA]
+
+    assert placed(ahead=HOLDER_QUEUE_TRIES + 10) == [("c1", "a")]
+    # the glances spent, each request ahead takes a lookup: the last one still reaches it
+    assert placed(ahead=HOLDER_QUEUE_GLANCES + HOLDER_QUEUE_TRIES - 1) == [("c1", "a")]
+    assert placed(ahead=HOLDER_QUEUE_GLANCES + HOLDER_QUEUE_TRIES) == []
 
 
 def held(preempted_at: dict[str, float], behind: int = 0) -> list:
