@@ -217,7 +217,7 @@ class _Pass:
         self.all_keep: bool | None = None  # every open engine queue keeps one for any request (`_holder_queue`)
         self.tries, self.glances = HOLDER_QUEUE_TRIES, HOLDER_QUEUE_GLANCES  # (`Scheduler._join_holder`)
         self._ready: dict[str, set[str]] = {}  # model → open engine queues within their rivals' bound, until a placement
-        self._any_open: bool | None = None  # `Scheduler._any_open`, until a placement
+        self._open: set[str] | None = None  # the engine queues open for any request now, until a placement
 
     @functools.cached_property
     def preempted_at(self) -> dict[str, float]:
@@ -270,25 +270,28 @@ class _Pass:
         self._eligible.pop(target.view.id, None)
         self._loads.clear()
         self._ready.clear()
-        self._any_open = None
+        self._open = None
         self.told = False
 
+    def open_now(self, queues: dict) -> set[str]:
+        """The engine queues in `queues` still open for some request (`holder_queue_open` with no
+        bound on the prompt): each push there narrows them."""
+        if self._open is None:
+            max_unseen = self.scheduler.cfg.max_unseen
+            self._open = {i for i, t in queues.items() if holder_queue_open(t.view, max_unseen, math.inf)}
+        return self._open
+
     def ready(self, entry: QueueEntry, queues: dict) -> set[str]:
-        """The open engine queues in `queues` (for any request: `holder_queue_open` with no bound on
-        the prompt) within their rivals' bound for `entry`'s model (`Scheduler._within_rivals`):
-        the only ones `Scheduler._holder_queue` may pick for an entry with no limits of its own."""
+        """The open engine queues (`open_now`) serving `entry`'s model within their rivals' bound
+        (`Scheduler._within_rivals`): the only ones `Scheduler._holder_queue` may pick for an entry
+        with no limits of its own."""
         model = entry.facts.model
         ready = self._ready.get(model)
         if ready is None:
-            loads, max_unseen, within = self.loads(entry), self.scheduler.cfg.max_unseen, self.scheduler._within_rivals
-            ready = self._ready[model] = {i for i, t in queues.items() if t.view.serves(model)
-                                          and holder_queue_open(t.view, max_unseen, math.inf) and within(t, loads)}
+            loads, within = self.loads(entry), self.scheduler._within_rivals
+            ready = self._ready[model] = {i for i in self.open_now(queues)
+                                          if queues[i].view.serves(model) and within(queues[i], loads)}
         return ready
-
-    def any_open(self, queues: dict) -> bool:
-        if self._any_open is None:
-            self._any_open = self.scheduler._any_open(queues)
-        return self._any_open
 
     def drop(self, target) -> None:
         for cands in self.by_model.values():
@@ -510,7 +513,7 @@ class Scheduler:
                     if placed.kind is Kind.PEER:
                         peers_open = peers.open(now)
                     continue
-                if self._widest(entry, peers_open) and not (p.tries > 0 and p.any_open(queues)):
+                if self._widest(entry, peers_open) and not (p.tries > 0 and p.open_now(queues)):
                     blocked.add(facts.model)
                     if len(blocked) >= len(waiting):
                         break  # nothing behind can be placed either
@@ -609,10 +612,6 @@ class Scheduler:
         return {t.view.id: t for t in p.targets
                 if not p.eligible(t) and (t.breaker is None or t.breaker.allows(now))
                 and holder_queue_open(t.view, max_unseen, math.inf)}
-
-    def _any_open(self, queues: dict) -> bool:
-        max_unseen = self.cfg.max_unseen
-        return any(holder_queue_open(t.view, max_unseen, math.inf) for t in queues.values())
 
     def _join_holder(self, entry: QueueEntry, queues: dict, now: float, p: "_Pass"):
         """`_holder_queue` within the pass's budget: HOLDER_QUEUE_TRIES lookups, and before them
