@@ -105,8 +105,8 @@ HOLDER_QUEUE_TRIES = 64
 # lookups went on them, ~0.2 % finding a queue (document Q&A at 1.3x), and the requests further
 # back whose holders had room waited here. Passing them over (1.3x capacity, 3 seeds, the
 # simulator): document Q&A 5.41 -> 6.43 req/s on vLLM-like engines, 5.39 -> 6.50 on SGLang's,
-# shared-prefix 4.06 -> 4.20, the rest of the suite the same; and the pass's CPU past capacity
-# halved (docs/results.md, forty-sixth session).
+# shared-prefix 4.06 -> 4.20 (its uncached prompts' tail longer), the rest of the suite the same;
+# and the pass's CPU past capacity halved (docs/results.md, forty-sixth session).
 HOLDER_QUEUE_GLANCES = 256
 
 # Why a request is rejected (the daemon maps each to one HTTP answer: lb.daemon.dispatch.Dispatcher._error).
