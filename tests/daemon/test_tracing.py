@@ -68,9 +68,12 @@ async def test_spans_for_request_queue_attempts_and_peer_forward_with_traceparen
     url = f"http://127.0.0.1:{port}"
     try:
         async with ClientSession() as http:
-            async def ready_and_peered() -> bool:
+            async def ready_and_peered() -> bool:  # the peer available and the local replica probed healthy
                 async with http.get(url + "/metrics") as r:
-                    return 'lb_peer_available{peer="far"} 1.0' in await r.text()
+                    text = await r.text()
+                return ('lb_peer_available{peer="far"} 1.0' in text
+                        and any(line.startswith("lb_replica_healthy{") and line.endswith(" 1.0")
+                                for line in text.splitlines()))
             for _ in range(200):
                 if await ready_and_peered():
                     break
