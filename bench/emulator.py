@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import signal
 import time
 import uuid
@@ -27,13 +28,13 @@ from datetime import datetime, timezone
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bench.emulator_api import ApiFaces
 from bench.emulator_requests import (ApiError, GenRequest, parse_chat, parse_completion,
                                      parse_generate, parse_json, parse_responses)
-from bench.engine import Engine, EngineRequest, Finished, StepResult
+from bench.engine import TTFT_BUCKETS_S, Engine, EngineRequest, Finished, StepResult
 from bench.profiles import PROFILES, Profile, get_profile
 from bench.tokenizer import decode
 
@@ -645,7 +646,9 @@ class _MetricsCollector:
         self.emu = emu
 
     def collect(self):
-        emu, load = self.emu, self.emu.engine.load()
+        emu = self.emu
+        emu.engine.first_tokens_by(emu.driver.now())  # a step's first tokens count once it has ended
+        load = emu.engine.load()
         c = load.counters
         labels = ["model_name"]
 
@@ -675,6 +678,7 @@ class _MetricsCollector:
         yield counter("sglang:num_requests", "Finished requests", c.requests)
         yield counter("sglang:num_aborted_requests", "Aborted requests", c.aborted)
         yield counter("sglang:num_retracted_requests", "Total number of retracted requests.", c.preemptions)
+        yield self._ttft_histogram("sglang:time_to_first_token_seconds", c, {})
         # not an SGLang metric: lets tests tell an explicit abort from a disconnect
         yield counter("emulator:abort_request_calls", "POST /abort_request received", emu.abort_calls)
         engine = {"engine": "0"}
@@ -700,6 +704,19 @@ class _MetricsCollector:
                       c.prefix_queries, engine)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hit tokens", c.prefix_hits, engine)
         yield counter("vllm:num_preemptions", "Preemptions", c.preemptions, engine)
+        yield self._ttft_histogram("vllm:time_to_first_token_seconds", c, engine)
+
+    def _ttft_histogram(self, name: str, c, extra: dict) -> HistogramMetricFamily:
+        """The engine's TTFTs as both engines publish them, in wall seconds (engine time over
+        `--speed`), with vLLM's bucket bounds (an emulator's histogram need not match each
+        engine's bounds: `lb` reads only its count)."""
+        speed = self.emu.driver.speed
+        fam = HistogramMetricFamily(name, "Histogram of time to first token in seconds.",
+                                    labels=["model_name", *extra])
+        cumulative = list(itertools.accumulate(c.ttft_buckets))
+        buckets = [(repr(b / speed), n) for b, n in zip(TTFT_BUCKETS_S, cumulative)] + [("+Inf", c.ttfts)]
+        fam.add_metric([self.emu.model, *extra.values()], buckets, c.ttft_total_s / speed)
+        return fam
 
 
 # ---- process -----------------------------------------------------------------------------

@@ -171,6 +171,11 @@ class StepResult:
         return self.start + self.duration
 
 
+# vLLM's bucket bounds of `vllm:time_to_first_token_seconds` (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
 @dataclass
 class Counters:
     prompt_tokens: int = 0
@@ -189,6 +194,19 @@ class Counters:
     decode_batches: int = 0  # steps that decoded (SGLang's `forward_ct_decode`)
     preempted_since_log: int = 0  # preemptions since the last DECODE_LOG_INTERVAL boundary
     retracted_last_window: int = 0  # those of the last whole window: SGLang's `queues.retracted`
+    # each request's time from its arrival to its first token, summed, and how many: the sum
+    # and count of the engines' TTFT histograms (`vllm:time_to_first_token_seconds`,
+    # `sglang:time_to_first_token_seconds`); `ttft_buckets` counts them by vLLM's bounds
+    ttft_total_s: float = 0.0
+    ttfts: int = 0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS_S))
+
+    def count_first_token(self, ttft_s: float) -> None:
+        self.ttft_total_s += ttft_s
+        self.ttfts += 1
+        at = bisect.bisect_left(TTFT_BUCKETS_S, ttft_s)  # the first bound it is not above
+        if at < len(TTFT_BUCKETS_S):  # above the last: only in +Inf, which is the count
+            self.ttft_buckets[at] += 1
 
     def count_decode_batches(self, n: int) -> None:
         """`n` more decode batches: at each DECODE_LOG_INTERVAL boundary the window's
@@ -324,7 +342,7 @@ class _Seq:
 
     __slots__ = ("req", "no", "tokens", "prompt_len", "target", "rng", "keys", "blocks",
                  "private", "computed", "prefill_end", "admit_no", "cached_tokens", "admitted",
-                 "cached_at_submit", "fresh", "readmitted")
+                 "cached_at_submit", "fresh", "readmitted", "submitted_at")
 
     def __init__(self, req: EngineRequest, no: int, target: int, rng: random.Random):
         self.req, self.no, self.target, self.rng = req, no, target, rng
@@ -342,6 +360,7 @@ class _Seq:
         self.readmitted = False  # admitted again after a preemption
         self.fresh = False  # admitted, its prefill not started: looks the cache up again
         self.cached_at_submit = 0  # prompt tokens the cache held when the request arrived
+        self.submitted_at = 0.0
 
     @property
     def output_len(self) -> int:
@@ -365,6 +384,7 @@ class Engine:
         self._private = 0  # Σ seq.private
         self._order = itertools.count()
         self._busy_until = -math.inf
+        self._firsts: tuple[float, list[float]] = (0.0, [])  # (end, TTFTs) of the last step's first tokens
         r = profile.new_token_ratio
         self._ratio_init = r[0] if r else 0.0
         self._ratio_min = r[0] * r[1] if r else 0.0
@@ -401,6 +421,7 @@ class Engine:
             drawn = round(rng.lognormvariate(math.log(p.output_median), p.output_sigma))
             target = max(1, min(req.max_new_tokens, drawn))
         seq = _Seq(req, next(self._order), target, rng)
+        seq.submitted_at = now
         b = self.profile.block_size
         seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
         seq.cached_at_submit = len(self.cache.match(seq.keys)) * b
@@ -434,6 +455,18 @@ class Engine:
             return None
         return max(now, self._busy_until)
 
+    def first_tokens_by(self, t: float) -> int:
+        """The first tokens the engine has produced by `t` (its TTFT histogram's count then)."""
+        end, pending = self._firsts
+        if pending and t >= end:
+            self._commit_first_tokens()
+        return self.counters.ttfts
+
+    def _commit_first_tokens(self) -> None:
+        for ttft in self._firsts[1]:
+            self.counters.count_first_token(ttft)
+        self._firsts = (0.0, [])
+
     def step(self, now: float) -> StepResult:
         self._admit(now)
         result = StepResult(start=now, duration=0.0)
@@ -455,6 +488,7 @@ class Engine:
         self._allocate(emitting)
         p = self.profile
         context = prefilled = 0
+        firsts = []  # requests whose first token this step emits
         for seq, n, shared in chunks:
             if seq.fresh:
                 self._take_shared(seq, shared, now)
@@ -463,6 +497,8 @@ class Engine:
             context += seq.computed
             self._cache_blocks(seq, now)  # as scheduled: later requests find them
             if seq.computed == seq.prefill_end:
+                if not seq.output_len:  # not one recomputing after a preemption
+                    firsts.append(seq)
                 self._emit(seq, result, now)
         for seq in decodes:
             context += seq.computed
@@ -473,6 +509,10 @@ class Engine:
             self.counters.count_decode_batches(1)
         result.duration = (p.step_base_s + p.prefill_token_s * result.prefill_tokens
                            + p.decode_seq_s * len(decodes) + p.context_token_s * context)
+        # their tokens come out as the step ends: counted then (`first_tokens_by`), as an
+        # engine's metrics count a first token once the step that made it has returned
+        self._commit_first_tokens()
+        self._firsts = (result.end, [result.end - seq.submitted_at for seq in firsts])
         self._busy_until = result.end
         return result
 
@@ -487,7 +527,7 @@ class Engine:
             cache_tokens=self.cache.size_tokens,
             waiting_prompt_tokens=sum(len(s.tokens) for s in self._waiting),
             max_running=self.profile.max_running,
-            counters=replace(self.counters),
+            counters=replace(self.counters, ttft_buckets=list(self.counters.ttft_buckets)),
         )
 
     def is_waiting(self, request_id: str) -> bool:

@@ -111,12 +111,15 @@ class FastEngine(Engine):
         self.collapsed_steps += j
         self._busy_until = run.step_start(j)
 
-    def probe(self) -> tuple[int, int, float, int, int | None, int | None]:
-        """(waiting, running, KV usage, free KV tokens, preemptions, retracted lately): what a
-        load endpoint reports. A vLLM-like engine's /metrics has the preemption counter;
-        SGLang's /v1/loads the retractions of its last stats window (`queues.retracted`)."""
+    def probe(self, at: float | None = None) -> tuple[int, int, float, int, int | None, int | None, int | None]:
+        """(waiting, running, KV usage, free KV tokens, preemptions, retracted lately, first
+        tokens): what a load endpoint reports. A vLLM-like engine's /metrics has the preemption
+        counter and its TTFT histogram's count; SGLang's /v1/loads the retractions of its last
+        stats window (`queues.retracted`) and no first tokens. `at`: when it answers (the first
+        tokens of a step still under way are not counted yet); None: those counted so far."""
         used, total = self._used(), self.profile.kv_tokens
         c = self.counters
         vllm = self.profile.new_token_ratio is None
         return (len(self._waiting), len(self._running), used / total, total - used,
-                c.preemptions if vllm else None, None if vllm else c.retracted_last_window)
+                c.preemptions if vllm else None, None if vllm else c.retracted_last_window,
+                (c.ttfts if at is None else self.first_tokens_by(at)) if vllm else None)

@@ -151,7 +151,7 @@ class SimReplica:
         self.draining = False
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf
-        self.snap: tuple[int, int, float, int, int | None] = (0, 0, 0.0, profile.kv_tokens, None)
+        self.snap: tuple = (0, 0, 0.0, profile.kv_tokens, None, None, None)
         self.snap_outstanding = 0  # the LB's outstanding count at the snapshot
         self.requests: dict[str, SimRequest] = {}
         self._token = 0  # generation of the pending wake-up
@@ -200,7 +200,7 @@ class SimReplica:
         tick = self.lb.tick_at(now)
         if tick > self.snap_tick:
             self.snap_tick = tick
-            self.snap = self.engine.probe()
+            self.snap = self.engine.probe(tick)
             # pushes the scheduler counted since the tick have not reached the engine yet
             unapplied = 0
             for t, _ in reversed(self.view.push_log):
@@ -215,17 +215,17 @@ class SimReplica:
         if self.snap_tick == tick:
             self.probe_into_view(tick, self.snap, self.snap_outstanding)
         else:
-            self.probe_into_view(tick, self.engine.probe(), self.view.outstanding)
+            self.probe_into_view(tick, self.engine.probe(tick), self.view.outstanding)
             log = self.view.push_log
             self.fresh = not log or log[-1][0] <= tick
 
     def probe_into_view(self, at: float, state: tuple[int, int, float, int, int | None, int | None],
                         outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
-        KV room (SGLang /v1/loads), its preemptions (vLLM /metrics) or retractions lately
-        (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
+        KV room (SGLang /v1/loads), its preemptions and first tokens (vLLM /metrics) or retractions
+        lately (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
-        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately = state
+        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately, v.engine_first_tokens = state
         note_preemptions(v, preempted, at, lately=lately)
         v.last_probe_at = at
         v.probe_s = self.probe_s
@@ -234,7 +234,7 @@ class SimReplica:
         settle_probe(v, at, outstanding_at, v.pending, v.running, self.lb.cfg.early_reprobe_s)
 
     def probe_now(self) -> None:
-        self.probe_into_view(self.loop.now, self.engine.probe(), self.view.outstanding)
+        self.probe_into_view(self.loop.now, self.engine.probe(self.loop.now), self.view.outstanding)
         self.fresh = True  # no push can be newer than now
 
     def early_probe(self) -> None:
@@ -266,7 +266,7 @@ class SimReplica:
             return
         now = self.loop.now
         self._probe_end = now + self.probe_s
-        self.loop.at(self._probe_end, self._probe_landed, now, self.engine.probe(), self.view.outstanding)
+        self.loop.at(self._probe_end, self._probe_landed, now, self.engine.probe(now), self.view.outstanding)
 
     def _probe_landed(self, started: float, state: tuple, outstanding_at: int) -> None:
         if self.stopped_at is None and self.view.last_probe_at < started:

@@ -26,6 +26,8 @@ class EngineLoad:
     # count that starts over every 40 decode batches, so it says "lately", not how many in all)
     retracted_lately: int | None = None
     reserves: bool = False  # it reserves KV for answers at admission (SGLang), so preempts only short of its estimate
+    # the first tokens it has produced since it started (its TTFT histogram's count)
+    first_tokens: int | None = None
 
 
 def _dp_ranks(value: object) -> list[dict]:
@@ -127,8 +129,9 @@ def orders_by_prefix(server_info: bytes) -> bool:
 
 
 def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0,
-                    preemptions: str | None = None, reserves: bool = False) -> Callable[[bytes], EngineLoad]:
-    names = [n for n in (pending, running, kv, preemptions) if n]
+                    preemptions: str | None = None, reserves: bool = False,
+                    first_tokens: str | None = None) -> Callable[[bytes], EngineLoad]:
+    names = [n for n in (pending, running, kv, preemptions, first_tokens) if n]
 
     def parse(body: bytes) -> EngineLoad:
         vals = prometheus_values(body, names)
@@ -141,6 +144,7 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
             kv_usage=None if kv_usage is None else kv_usage * kv_scale,
             preemptions=vals.get(preemptions) if preemptions else None,
             reserves=reserves,
+            first_tokens=int(vals[first_tokens]) if first_tokens in vals else None,
         )
 
     parse.__name__ = f"parse_{pending.split(':')[0]}_metrics"
@@ -150,9 +154,11 @@ def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float 
 # the retraction counter: SGLang's /metrics since 2025 (`sglang:num_retracted_reqs` beside it is a
 # gauge of the last stats window, zeroed at each log: no total)
 parse_sglang_metrics = _metrics_parser("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
-                                       preemptions="sglang:num_retracted_requests_total", reserves=True)
+                                       preemptions="sglang:num_retracted_requests_total", reserves=True,
+                                       first_tokens="sglang:time_to_first_token_seconds_count")
 _VLLM_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # the latter: before v0.10
 _VLLM_CACHE_INFO = b"vllm:cache_config_info"
+_VLLM_FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"  # the TTFT histogram's count
 
 
 def _label(labels: bytes, key: bytes) -> bytes | None:
@@ -195,9 +201,10 @@ def _vllm_kv(text: bytes) -> tuple[float | None, int | None, int | None]:
 
 def parse_vllm_metrics(body: bytes) -> EngineLoad:
     """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
-    (`_vllm_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`."""
+    (`_vllm_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`, and the first
+    tokens it has produced (its TTFT histogram's count: lb.core.backlog)."""
     vals = prometheus_values(body, ("vllm:num_requests_waiting", "vllm:num_requests_running",
-                                    "vllm:num_preemptions_total"))
+                                    "vllm:num_preemptions_total", _VLLM_FIRST_TOKENS))
     if "vllm:num_requests_waiting" not in vals:
         raise ValueError("/metrics has no vllm:num_requests_waiting")
     kv_usage, kv_free, kv_total = _vllm_kv(body)
@@ -205,7 +212,8 @@ def parse_vllm_metrics(body: bytes) -> EngineLoad:
     return EngineLoad(pending=int(vals["vllm:num_requests_waiting"]),
                 running=None if running is None else int(running),
                 kv_usage=kv_usage, kv_free_tokens=kv_free, kv_total_tokens=kv_total,
-                preemptions=vals.get("vllm:num_preemptions_total"))
+                preemptions=vals.get("vllm:num_preemptions_total"),
+                first_tokens=int(vals[_VLLM_FIRST_TOKENS]) if _VLLM_FIRST_TOKENS in vals else None)
 
 
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)

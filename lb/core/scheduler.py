@@ -411,8 +411,8 @@ class Scheduler:
         """model → what a peer needs to predict a forward's TTFT here (`ttft` in
         `/lb/peer/status`): the fit and the work ahead on each replica that takes one now,
         and those replicas' loads (for the peer's `lighter_peer`), least first."""
-        self.backlog.expire(now)
         targets = list(targets)
+        self._settle_whole_answers(targets, now)
         self.refresh_leases((t.view for t in targets), now)
         free: dict[str, list[ReplicaView]] = {}
         for t in targets:
@@ -478,8 +478,8 @@ class Scheduler:
 
     # -- one pass ----------------------------------------------------------------------------
     def schedule(self, now: float, targets: Iterable[Target], peers: PeerSet | None = None) -> list[Placement]:
-        self.backlog.expire(now)  # non-streamed pushes past their predicted TTFT
         targets = list(targets)
+        self._settle_whole_answers(targets, now)
         self.refresh_leases((t.view for t in targets), now)
         if not len(self.queue):
             return []
@@ -585,6 +585,14 @@ class Scheduler:
         self._tell_ahead(cands)
         by_id = {t.view.id: t for t in cands}
         return by_id.get(self.policy.choose(facts, [t.view for t in cands], now))
+
+    def _settle_whole_answers(self, targets: list, now: float) -> None:
+        """Pushes answered whole whose prefill is done: those the engine's first-token count says
+        (vLLM's TTFT histogram: `view.engine_first_tokens`), elsewhere those past their predicted TTFT."""
+        for t in targets:
+            if t.view.engine_first_tokens is not None:
+                self.backlog.engine_first_tokens(t.view.id, t.view.engine_first_tokens)
+        self.backlog.expire(now)
 
     def _tell_ahead(self, targets) -> None:
         """Each target's view told this LB's prefill ahead there (lb.core.backlog)."""

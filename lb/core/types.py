@@ -52,6 +52,10 @@ class ReplicaView:
     # probe (None when its load endpoint does not say), and the tokens the unseen pushes need.
     kv_free_tokens: int | None = None
     kv_total_tokens: int | None = None  # its whole KV cache (None when its load endpoint does not say)
+    # the first tokens the engine has produced since it started, at the last probe (the count of
+    # vLLM's TTFT histogram; None where its load endpoint has none): when the prefill of a push
+    # answered whole, which shows the LB no first token, is done (lb.core.backlog)
+    engine_first_tokens: int | None = None
     max_running: int | None = None
     # the batch cap learned from probes when the engine does not report one (vLLM keeps
     # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)

@@ -269,6 +269,9 @@ def build_app(cfg: Config) -> web.Application:
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
                 "kv_usage": v.kv_usage, "kv_free_tokens": v.kv_free_tokens, "kv_total_tokens": v.kv_total_tokens,
                 "reports_pending": v.reports_pending,
+                # the first tokens its engine counts (vLLM's TTFT histogram): when a push answered
+                # whole has finished its prefill (lb.core.backlog); None where it does not say
+                "first_tokens": v.engine_first_tokens,
                 # the batch cap SP-P's headroom uses: the engine's own, or learned from probes
                 "max_running": v.max_running if v.max_running is not None else v.learned_max_running,
                 "max_running_source": ("reported" if v.max_running is not None

@@ -159,10 +159,10 @@ class Prober:
                 if load.kv_usage is not None:
                     view.kv_usage = load.kv_usage
                 view.kv_free_tokens, view.max_running = load.kv_free_tokens, load.max_running
-                view.kv_total_tokens = load.kv_total_tokens
+                view.kv_total_tokens, view.engine_first_tokens = load.kv_total_tokens, load.first_tokens
                 note_preemptions(view, load.preemptions, t0, lately=load.retracted_lately, reserves=load.reserves)
             else:
-                view.kv_free_tokens = view.max_running = view.kv_total_tokens = None
+                view.kv_free_tokens = view.max_running = view.kv_total_tokens = view.engine_first_tokens = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)
             settle_probe(view, t0, outstanding_at_start, pending, running, self.cfg.early_reprobe_s,
                          answering_at_start, others_at_start)

@@ -120,6 +120,15 @@ def test_kv_exhaustion_preempts_the_newest_and_everything_still_finishes():
     assert all(len(out[f"r{i}"]) == 300 for i in range(4))  # recompute resumes, no loss
     assert e.load().counters.preemptions == len(preempted)
     assert e.load().kv_used_tokens == 0
+    # the TTFT histogram counts each request's first token once, a recompute's again not at all,
+    # each from its arrival to the end of the step that emitted it
+    firsts = {}
+    for st in steps:
+        for rid in st.tokens:
+            firsts.setdefault(rid, st.end)
+    c = e.load().counters
+    assert c.ttfts == 4 and c.ttft_total_s == pytest.approx(sum(firsts[f"r{i}"] - i * 1e-3 for i in range(4)))
+    assert sum(c.ttft_buckets) == 4
 
 
 def test_lowest_priority_is_preempted_first_and_admitted_first_when_high():

@@ -241,6 +241,71 @@ def test_a_push_answered_whole_counts_as_prefill_ahead_until_its_predicted_ttft(
     assert s.backlog.ahead == {}
 
 
+def test_an_engine_s_first_token_count_releases_the_shortest_pushes_answered_whole():
+    """vLLM counts every first token it produces (its TTFT histogram's count). From a target's
+    first count on, its pushes answered whole stay ahead until that count passes them, not until
+    their predicted TTFT, the shortest prefill first; first tokens we know of (a stream's, an
+    answer that came back whole before the count passed it) are not counted twice; a count
+    beyond ours (another client) is not carried into our next pushes; a restarted engine
+    starts over."""
+    b = Backlog()
+    b.placed("early", "a", 10, NOW, expires_at=NOW + 1)  # before any count: its predicted TTFT
+    b.engine_first_tokens("a", 500)  # the first report: a baseline, nothing released
+    assert b.ahead == {"a": 10}
+    b.expire(NOW + 1)
+    assert b.ahead == {}
+    for rid, tokens in (("w1", 400), ("w2", 100), ("w3", 200)):
+        b.placed(rid, "a", tokens, NOW, expires_at=NOW + 0.1)
+    b.placed("s1", "a", 1000, NOW)  # streamed
+    b.expire(NOW + 5)  # long past their predicted TTFT: the count has not passed them
+    assert b.ahead == {"a": 1700}
+    b.first_token("s1", NOW + 1)  # relayed: the engine's next count includes it
+    b.engine_first_tokens("a", 502)  # s1 and one more: the shortest answered whole
+    assert b.ahead == {"a": 600} and b.ahead_count == {"a": 2}
+    b.engine_first_tokens("a", 502)  # the same count again: nothing
+    assert b.ahead == {"a": 600}
+    b.ended("w3")  # answered whole before the count passed it: its first token is one it will hold
+    b.engine_first_tokens("a", 503)
+    assert b.ahead == {"a": 400}
+    b.engine_first_tokens("a", 510)  # 7 more: one of ours, six another client's
+    assert b.ahead == {} and b._unexplained["a"] == 0
+    b.placed("w4", "a", 50, NOW, expires_at=NOW + 0.1)
+    b.engine_first_tokens("a", 510)
+    assert b.ahead == {"a": 50}  # not released by the other client's first tokens
+    b.engine_first_tokens("a", 3)  # restarted: a new baseline
+    assert b.ahead == {"a": 50}
+    b.engine_first_tokens("a", 4)
+    assert b.ahead == {}
+    for i in range(10):  # relayed before the count reaches them: bounded, then met
+        b.placed(f"s{i + 2}", "a", 5, NOW)
+        b.first_token(f"s{i + 2}", NOW)
+    b.placed("w5", "a", 70, NOW, expires_at=NOW + 0.1)
+    b.engine_first_tokens("a", 4)
+    assert b._unexplained["a"] == -10 and b.ahead == {"a": 70}
+    b.engine_first_tokens("a", 14)
+    assert b.ahead == {"a": 70}
+    b.engine_first_tokens("a", 15)
+    assert b.ahead == {}
+    b.forget("a")
+    assert not b._whole and not b._counted and not b._unexplained
+
+
+def test_the_scheduler_reads_each_view_s_first_token_count():
+    s = Scheduler(SchedulerConfig(), make_policy("predicted-ttft"), make_queue("fcfs"))
+    local = Rep("a")
+    local.view.engine_first_tokens = 7
+    s.schedule(NOW, [local], None)  # the first count: a baseline
+    admit(s, "r1", stream=False)
+    (p,) = s.schedule(NOW, [local], None)
+    predicted = s.policy.last.predicted_ttft_s
+    assert p.kind is Kind.REPLICA and s.backlog.ahead == {"a": 1000}
+    s.schedule(NOW + 10 * predicted, [local], None)
+    assert s.backlog.ahead == {"a": 1000}  # its engine has not counted its first token
+    local.view.engine_first_tokens = 8
+    s.schedule(NOW + 10 * predicted, [local], None)
+    assert s.backlog.ahead == {}
+
+
 def test_assumed_ends_of_prefill_are_bounded():
     b = Backlog(max_tracked=4)
     for i in range(100):  # answered before their assumed end: the heap is rebuilt, not kept

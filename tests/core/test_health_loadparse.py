@@ -125,6 +125,24 @@ def test_vllm_free_kv_from_usage_and_cache_config_info():
     assert loadparse.parse_vllm_metrics(unsized).kv_total_tokens is None
 
 
+def test_the_first_tokens_an_engine_counted_are_its_ttft_histogram_s_count():
+    """vLLM (vllm/v1/metrics/loggers.py) and SGLang (--enable-metrics) publish each request's
+    TTFT as a histogram; its `_count` summed over engines is the first tokens produced so far.
+    Bucket lines and longer names that start the same are not the count."""
+    hist = (b'# TYPE vllm:time_to_first_token_seconds histogram\n'
+            b'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 30.0\n'
+            b'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 40.0\n'
+            b'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 40.0\n'
+            b'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 3.5\n'
+            b'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 2.0\n'
+            b'vllm:time_to_first_token_seconds_count_x{engine="1",model_name="m"} 99.0\n')
+    assert loadparse.parse_vllm_metrics(VLLM_SIZED + hist).first_tokens == 42
+    assert loadparse.parse_vllm_metrics(VLLM_SIZED).first_tokens is None  # an older page: no count
+    sglang = METRICS + b'sglang:time_to_first_token_seconds_count{model_name="m"} 12.0\n'
+    assert loadparse.parse_sglang_metrics(sglang).first_tokens == 12
+    assert loadparse.parse_sglang_metrics(METRICS).first_tokens is None
+
+
 def test_usage_from_stream_tail_skips_null_usage_chunks():
     stream = (b'data: {"choices":[{"delta":{"content":"a}"}}],"usage":null}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,'

@@ -76,3 +76,20 @@ def test_a_configured_engine_is_not_second_guessed(procs):
     procs.append(lb.proc)
     poll(lambda: replica(lb, emu_url)["healthy"], what="the replica healthy")
     assert engines(lb.url, emu_url)["vllm"] == 1.0 and engines(lb.url, emu_url)["sglang"] == 0.0
+
+
+@needs_emulator
+def test_a_vllm_replica_s_first_tokens_are_read_from_its_ttft_histogram(procs):
+    """Answers that come back whole show the LB no first token; vLLM's /metrics counts them
+    (`vllm:time_to_first_token_seconds_count`), and the probe reads that count for the backlog."""
+    emu, emu_url = start_emulator()
+    procs.append(emu)
+    lb = start_lb("--replica", emu_url, "--engine", "vllm")
+    procs.append(lb.proc)
+    poll(lambda: replica(lb, emu_url)["healthy"], what="the replica healthy")
+    assert replica(lb, emu_url)["first_tokens"] == 0
+    for i in range(3):
+        status, _ = http_json("POST", lb.url + "/v1/chat/completions",
+                              {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4})
+        assert status == 200
+    poll(lambda: replica(lb, emu_url)["first_tokens"] == 3, what="three first tokens counted by the engine")
