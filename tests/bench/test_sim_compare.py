@@ -247,7 +247,8 @@ def test_the_suite_table_joins_a_workloads_sweeps_run_in_parts_and_stars_a_cell_
 def test_clients_that_do_not_stream_show_lb_no_first_token():
     """`sim-compare --no-stream`: the daemon sees a non-streamed answer only when it ends, so
     the simulated `lb` must learn from whole answers too, and count each as prefill ahead only
-    until its predicted TTFT (lb.core.scheduler)."""
+    until its engine's count of first tokens passes it (vLLM's TTFT histogram, read by the
+    probes: lb.core.backlog)."""
     from bench.sim import compare
     from bench.sim.workloads_sim import get
 
@@ -260,10 +261,12 @@ def test_clients_that_do_not_stream_show_lb_no_first_token():
     arena.loop.run(20.0)
     assert arena.done and not first_tokens
     backlog = lb.scheduler.backlog
-    assert backlog._expiring  # every push waits for its assumed end of prefill, not a first token
-    backlog.expire(arena.loop.now + 3600.0)
-    assert not backlog.ahead
     rates = lb.policy.scorers[0].model.rates
+    assert set(backlog._counted) == set(rates)  # each engine's count, read by the probes
+    waiting = list(backlog._open.items())
+    assert waiting and all(p.whole and rid in backlog._whole[p.target] for rid, p in waiting)
+    arena.loop.run(120.0)  # no new calls after 20 s: every first token counted, nothing ahead
+    assert not backlog.ahead and not any(backlog._whole.values())
     assert rates and all(r.step_s is None and r.whole_step_s > 0 for r in rates.values())
 
 
