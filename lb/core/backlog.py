@@ -77,7 +77,7 @@ class Backlog:
         # before the count passed them); and the first tokens it counted that none of those
         # explains yet (below 0: known ones its count had not reached)
         self._whole: dict[str, OrderedDict[str, _Push]] = {}
-        self._counted: dict[str, int] = {}
+        self.counted: dict[str, int] = {}
         self._known: dict[str, int] = {}
         self._unexplained: dict[str, int] = {}
 
@@ -93,7 +93,7 @@ class Backlog:
         self.ahead[target_id] = ahead
         self.ahead_count[target_id] = self.ahead_count.get(target_id, 0) + 1
         push = self._open[request_id] = _Push(target_id, tokens, ahead, now, whole=expires_at is not None)
-        if push.whole and target_id in self._counted:  # its engine's count says when (`engine_first_tokens`)
+        if push.whole and target_id in self.counted:  # its engine's count says when (`engine_first_tokens`)
             self._whole.setdefault(target_id, OrderedDict())[request_id] = push
         elif expires_at is not None:
             heapq.heappush(self._expiring, (expires_at, next(self._seq), request_id, push))
@@ -105,7 +105,7 @@ class Backlog:
         push = self._release(request_id)
         if push is None:
             return
-        if push.target in self._counted:
+        if push.target in self.counted:
             self._known[push.target] = self._known.get(push.target, 0) + 1
         self._answering[request_id] = push.target
         self.answering[push.target] = self.answering.get(push.target, 0) + 1
@@ -126,7 +126,7 @@ class Backlog:
         self._xy += a * (push.x * y - self._xy)
         self.samples += 1
 
-    def engine_first_tokens(self, target_id: str, count: int) -> None:
+    def engine_first_tokens(self, target_id: str, count: int | None) -> None:
         """The target's engine says how many first tokens it has produced since it started (the
         count of vLLM's TTFT histogram). Those it counted since its last report that no first
         token this LB knows of explains are taken to be this LB's pushes there answered whole
@@ -138,11 +138,19 @@ class Backlog:
         agents at 0.9x (simulator, seed 0). Clients that do not stream, multi-turn at 0.9x: TTFT
         p90 218 ms before, 202 with the count, as when streamed (docs/results.md). Their TTFTs
         are not fitted: paired with the pushes' work, the histogram's mean put `hot-shift`'s p90
-        at 376 ms against 344."""
-        seen = self._counted.get(target_id)
+        at 376 ms against 344. None: its probe no longer says (another endpoint answers): its
+        pushes answered whole that waited for the count are taken as done."""
+        if count is None:
+            if self.counted.pop(target_id, None) is not None:
+                self._known.pop(target_id, None)
+                self._unexplained.pop(target_id, None)
+                for rid in list(self._whole.pop(target_id, {})):
+                    self._release(rid)
+            return
+        seen = self.counted.get(target_id)
         if seen == count and target_id not in self._known:
             return  # nothing new (each scheduling pass reads every view)
-        self._counted[target_id] = count
+        self.counted[target_id] = count
         known = self._known.pop(target_id, 0)
         if seen is None or count < seen:  # the first report, or an engine that restarted
             self._unexplained[target_id] = 0
@@ -190,7 +198,7 @@ class Backlog:
                 del self.answering[target]
 
     def forget(self, target_id: str) -> None:
-        for d in (self._whole, self._counted, self._known, self._unexplained):
+        for d in (self._whole, self.counted, self._known, self._unexplained):
             d.pop(target_id, None)
         self.ahead.pop(target_id, None)
         self.ahead_count.pop(target_id, None)

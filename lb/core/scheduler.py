@@ -589,8 +589,9 @@ class Scheduler:
     def _settle_whole_answers(self, targets: list, now: float) -> None:
         """Pushes answered whole whose prefill is done: those the engine's first-token count says
         (vLLM's TTFT histogram: `view.engine_first_tokens`), elsewhere those past their predicted TTFT."""
+        counted = self.backlog.counted
         for t in targets:
-            if t.view.engine_first_tokens is not None:
+            if t.view.engine_first_tokens is not None or t.view.id in counted:
                 self.backlog.engine_first_tokens(t.view.id, t.view.engine_first_tokens)
         self.backlog.expire(now)
 

@@ -262,7 +262,7 @@ def test_clients_that_do_not_stream_show_lb_no_first_token():
     assert arena.done and not first_tokens
     backlog = lb.scheduler.backlog
     rates = lb.policy.scorers[0].model.rates
-    assert set(backlog._counted) == set(rates)  # each engine's count, read by the probes
+    assert set(backlog.counted) == set(rates)  # each engine's count, read by the probes
     waiting = list(backlog._open.items())
     assert waiting and all(p.whole and rid in backlog._whole[p.target] for rid, p in waiting)
     arena.loop.run(120.0)  # no new calls after 20 s: every first token counted, nothing ahead

@@ -287,7 +287,7 @@ def test_an_engine_s_first_token_count_releases_the_shortest_pushes_answered_who
     b.engine_first_tokens("a", 15)
     assert b.ahead == {}
     b.forget("a")
-    assert not b._whole and not b._counted and not b._unexplained
+    assert not b._whole and not b.counted and not b._unexplained
 
 
 def test_the_scheduler_reads_each_view_s_first_token_count():
@@ -304,6 +304,12 @@ def test_the_scheduler_reads_each_view_s_first_token_count():
     local.view.engine_first_tokens = 8
     s.schedule(NOW + 10 * predicted, [local], None)
     assert s.backlog.ahead == {}
+    admit(s, "r2", stream=False)
+    s.schedule(NOW, [local], None)
+    assert s.backlog.ahead == {"a": 1000}
+    local.view.engine_first_tokens = None  # its probe no longer says: what waited on the count is done
+    s.schedule(NOW, [local], None)
+    assert s.backlog.ahead == {} and "a" not in s.backlog.counted
 
 
 def test_assumed_ends_of_prefill_are_bounded():
