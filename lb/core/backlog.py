@@ -86,7 +86,8 @@ class Backlog:
                expires_at: float | None = None) -> None:
         """`request_id` was pushed to `target_id` now with `tokens` uncached prompt tokens (a
         retry of the same id replaces its earlier push). `expires_at`: when to assume its
-        prefill done if no first token says so (a request that is not streamed)."""
+        prefill done if no first token says so (a request that is not streamed), unless its
+        engine counts its first tokens: then that count says so (`engine_first_tokens`)."""
         self._release(request_id)
         self._unanswer(request_id)
         ahead = self.ahead.get(target_id, 0.0) + tokens
