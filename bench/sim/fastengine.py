@@ -115,11 +115,12 @@ class FastEngine(Engine):
         """(waiting, running, KV usage, free KV tokens, preemptions, retracted lately, first
         tokens): what a load endpoint reports. A vLLM-like engine's /metrics has the preemption
         counter and its TTFT histogram's count; SGLang's /v1/loads the retractions of its last
-        stats window (`queues.retracted`) and no first tokens. `at`: when it answers (the first
-        tokens of a step still under way are not counted yet); None: those counted so far."""
+        stats window (`queues.retracted`), its /metrics the count (`SimReplica.probe_into_view`
+        reads it only where the daemon would). `at`: when it answers (the first tokens of a step
+        still under way are not counted yet); None: those counted so far."""
         used, total = self._used(), self.profile.kv_tokens
         c = self.counters
         vllm = self.profile.new_token_ratio is None
         return (len(self._waiting), len(self._running), used / total, total - used,
                 c.preemptions if vllm else None, None if vllm else c.retracted_last_window,
-                (c.ttfts if at is None else self.first_tokens_by(at)) if vllm else None)
+                c.ttfts if at is None else self.first_tokens_by(at))

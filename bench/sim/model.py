@@ -225,7 +225,12 @@ class SimReplica:
         KV room (SGLang /v1/loads), its preemptions and first tokens (vLLM /metrics) or retractions
         lately (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
-        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately, v.engine_first_tokens = state
+        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately, first_tokens = state
+        # vLLM's /metrics says it at every probe; SGLang's /v1/loads does not, so the daemon reads
+        # its /metrics too while pushes answered whole wait there, else keeps the last count
+        # (lb.core.engines.FIRST_TOKENS_PAGE)
+        if lately is None or v.first_tokens_wanted:
+            v.engine_first_tokens = first_tokens
         note_preemptions(v, preempted, at, lately=lately)
         v.last_probe_at = at
         v.probe_s = self.probe_s
@@ -543,7 +548,8 @@ class SimLB:
 
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.scheduler.completed(req.facts, prompt, output)
-        self.scheduler.ended(req.facts.request_id)
+        rep = self.replicas.get(req.served_by)
+        self.scheduler.ended(req.facts.request_id, rep.view if rep is not None else None)
         if req.served_region != req.region:  # forwarded: the client's LB charged its tenant too
             for _, peer in self.peers:
                 if peer.region == req.region:

@@ -80,6 +80,7 @@ class Backlog:
         self.counted: dict[str, int] = {}
         self._known: dict[str, int] = {}
         self._unexplained: dict[str, int] = {}
+        self.whole_open: dict[str, int] = {}  # target → its pushes answered whole still ahead
 
     # -- what happens to pushes ---------------------------------------------------------
     def placed(self, request_id: str, target_id: str, tokens: float, now: float,
@@ -94,6 +95,8 @@ class Backlog:
         self.ahead[target_id] = ahead
         self.ahead_count[target_id] = self.ahead_count.get(target_id, 0) + 1
         push = self._open[request_id] = _Push(target_id, tokens, ahead, now, whole=expires_at is not None)
+        if push.whole:
+            self.whole_open[target_id] = self.whole_open.get(target_id, 0) + 1
         if push.whole and target_id in self.counted:  # its engine's count says when (`engine_first_tokens`)
             self._whole.setdefault(target_id, OrderedDict())[request_id] = push
         elif expires_at is not None:
@@ -199,7 +202,7 @@ class Backlog:
                 del self.answering[target]
 
     def forget(self, target_id: str) -> None:
-        for d in (self._whole, self.counted, self._known, self._unexplained):
+        for d in (self._whole, self.counted, self._known, self._unexplained, self.whole_open):
             d.pop(target_id, None)
         self.ahead.pop(target_id, None)
         self.ahead_count.pop(target_id, None)
@@ -212,8 +215,13 @@ class Backlog:
     def _release(self, request_id: str) -> _Push | None:
         push = self._open.pop(request_id, None)
         if push is not None:
-            if push.whole and (whole := self._whole.get(push.target)):
-                whole.pop(request_id, None)
+            if push.whole:
+                if (whole := self._whole.get(push.target)):
+                    whole.pop(request_id, None)
+                if (n := self.whole_open.get(push.target, 0) - 1) > 0:
+                    self.whole_open[push.target] = n
+                else:
+                    self.whole_open.pop(push.target, None)
             left = self.ahead.get(push.target, 0.0) - push.tokens
             count = self.ahead_count.get(push.target, 0) - 1
             if count > 0:

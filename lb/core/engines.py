@@ -35,6 +35,10 @@ LOAD_ENDPOINTS: dict[str, list[tuple[str, Parser]]] = {
     "llamacpp": [("/metrics", loadparse.parse_llamacpp_metrics)],
     "openai": [],  # no load endpoint: LB-side outstanding counts only
 }
+# Engines whose load endpoint may not count first tokens while another page does: the page
+# and its parser (`first_tokens_from`), read beside the load only while pushes answered whole
+# wait there (`ReplicaView.first_tokens_wanted`). SGLang's /metrics needs `--enable-metrics`.
+FIRST_TOKENS_PAGE: dict[str, str] = {"sglang": "/metrics"}
 LIVENESS = {"sglang": "/health", "vllm": "/health", "llamacpp": "/health", "openai": "/v1/models"}
 ENGINES = (AUTO, *LOAD_ENDPOINTS)
 DETECT_ORDER = ("sglang", "vllm", "llamacpp")

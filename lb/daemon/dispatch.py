@@ -64,7 +64,7 @@ class Dispatcher:
     def _served(self, facts, rep, out, now: float) -> None:
         """Feed the policy what the replica took, timed from the push (the proxy times from
         arrival: take the LB queue wait off)."""
-        self.scheduler.ended(facts.request_id)
+        self.scheduler.ended(facts.request_id, rep.view)
         if out.status == 200 and out.e2e_s is not None:  # TTFT None: answered whole, not streamed
             wait = out.queue_wait_s or 0.0
             self.scheduler.served(facts, rep.id, None if out.ttft_s is None else out.ttft_s - wait, out.e2e_s - wait,

@@ -37,6 +37,7 @@ class Replica:
     suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
     source: str = ""  # a discovery source that owns it (e.g. "discovery[0]"); "": config file or admin API
     detected_at: float = 0.0  # when its engine was last detected (engine "auto"; lb.core.engines)
+    first_tokens_absent_until: float = 0.0  # its metrics page had no first-token count (lb.daemon.probes)
     policy_known: str | None = None  # the engine whose queue order was last read (lb.daemon.probes._discover_policy)
 
     @property

@@ -141,6 +141,9 @@ def test_the_first_tokens_an_engine_counted_are_its_ttft_histogram_s_count():
     sglang = METRICS + b'sglang:time_to_first_token_seconds_count{model_name="m"} 12.0\n'
     assert loadparse.parse_sglang_metrics(sglang).first_tokens == 12
     assert loadparse.parse_sglang_metrics(METRICS).first_tokens is None
+    assert loadparse.sglang_first_tokens(sglang) == 12  # beside /v1/loads, which has none
+    with pytest.raises(ValueError):
+        loadparse.sglang_first_tokens(METRICS)  # SGLang without the histogram
 
 
 def test_usage_from_stream_tail_skips_null_usage_chunks():

@@ -93,3 +93,21 @@ def test_a_vllm_replica_s_first_tokens_are_read_from_its_ttft_histogram(procs):
                               {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4})
         assert status == 200
     poll(lambda: replica(lb, emu_url)["first_tokens"] == 3, what="three first tokens counted by the engine")
+
+
+@needs_emulator
+def test_an_sglang_replica_s_first_tokens_are_read_from_its_metrics_while_whole_answers_wait(procs):
+    """SGLang's /v1/loads counts no first tokens; while a push answered whole waits there the
+    probe reads them from its /metrics (`sglang:time_to_first_token_seconds_count`)."""
+    emu, emu_url = start_emulator()
+    procs.append(emu)
+    lb = start_lb("--replica", emu_url)  # detected as SGLang
+    procs.append(lb.proc)
+    poll(lambda: engines(lb.url, emu_url)["sglang"] == 1.0, what="the emulator seen as SGLang")
+    assert replica(lb, emu_url)["first_tokens"] is None  # nothing waits: /metrics not read
+    for i in range(3):  # long answers, whole: each waits across probes
+        status, _ = http_json("POST", lb.url + "/v1/chat/completions",
+                              {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}],
+                               "max_tokens": 200, "ignore_eos": True}, timeout=30)
+        assert status == 200
+    poll(lambda: (replica(lb, emu_url)["first_tokens"] or 0) >= 1, what="first tokens read from /metrics")
