@@ -173,6 +173,9 @@ class PeerFront:
     def dispatch(self) -> None:
         pass
 
+    def wants_first_tokens(self, replica_id: str) -> bool:
+        return False  # a peer router reads no first-token count
+
     def wants_probe(self, view) -> bool:
         return True  # probes change nothing here (no queue, no pushing gate); kept as before
 

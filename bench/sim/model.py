@@ -229,7 +229,7 @@ class SimReplica:
         # vLLM's /metrics says it at every probe; SGLang's /v1/loads does not, so the daemon reads
         # its /metrics too while pushes answered whole wait there, else keeps the last count
         # (lb.core.engines.FIRST_TOKENS_PAGE)
-        if lately is None or v.first_tokens_wanted:
+        if lately is None or self.lb.wants_first_tokens(v.id):
             v.engine_first_tokens = first_tokens
         note_preemptions(v, preempted, at, lately=lately)
         v.last_probe_at = at
@@ -495,6 +495,9 @@ class SimLB:
     def wants_probe(self, view: ReplicaView) -> bool:
         return self.scheduler.wants_probe(view)
 
+    def wants_first_tokens(self, replica_id: str) -> bool:
+        return self.scheduler.wants_first_tokens(replica_id)
+
     def arrive(self, req: SimRequest) -> None:
         self._seq += 1
         self.scheduler.admit(QueueEntry(facts=req.facts, enqueued_at=self.loop.now, seq=self._seq, payload=req),
@@ -548,8 +551,7 @@ class SimLB:
 
     def completed(self, req: SimRequest, now: float, prompt: int, cached: int, output: int) -> None:
         self.scheduler.completed(req.facts, prompt, output)
-        rep = self.replicas.get(req.served_by)
-        self.scheduler.ended(req.facts.request_id, rep.view if rep is not None else None)
+        self.scheduler.ended(req.facts.request_id)
         if req.served_region != req.region:  # forwarded: the client's LB charged its tenant too
             for _, peer in self.peers:
                 if peer.region == req.region:

@@ -35,10 +35,26 @@ LOAD_ENDPOINTS: dict[str, list[tuple[str, Parser]]] = {
     "llamacpp": [("/metrics", loadparse.parse_llamacpp_metrics)],
     "openai": [],  # no load endpoint: LB-side outstanding counts only
 }
-# Engines whose load endpoint may not count first tokens while another page does: the page
-# and its parser (`first_tokens_from`), read beside the load only while pushes answered whole
-# wait there (`ReplicaView.first_tokens_wanted`). SGLang's /metrics needs `--enable-metrics`.
-FIRST_TOKENS_PAGE: dict[str, str] = {"sglang": "/metrics"}
+# Engines whose load endpoint may not count first tokens while another page does: that page and
+# its parser (`first_tokens_source`). SGLang's /metrics needs `--enable-metrics`.
+FIRST_TOKENS_PAGE: dict[str, tuple[str, Parser]] = {"sglang": ("/metrics", loadparse.parse_sglang_metrics)}
+KEEP_LAST = "keep the last count"
+
+
+def first_tokens_source(engine: str, wanted: bool, absent_until: float, now: float) -> tuple[str, Parser] | str | None:
+    """Where a probe whose load endpoint counted no first tokens gets the count: the page to
+    read beside the load while pushes answered whole wait there (`wanted`: lb.core.backlog);
+    KEEP_LAST while none waits (no request is spent on it; the first tokens since are met by
+    those the LB knows of); None where the engine has no such page, or its page had no count
+    (SGLang without --enable-metrics) until `absent_until`."""
+    page = FIRST_TOKENS_PAGE.get(engine)
+    if page is None:
+        return None
+    if not wanted:
+        return KEEP_LAST
+    return None if now < absent_until else page
+
+
 LIVENESS = {"sglang": "/health", "vllm": "/health", "llamacpp": "/health", "openai": "/v1/models"}
 ENGINES = (AUTO, *LOAD_ENDPOINTS)
 DETECT_ORDER = ("sglang", "vllm", "llamacpp")

@@ -216,14 +216,6 @@ def parse_vllm_metrics(body: bytes) -> EngineLoad:
                 first_tokens=int(vals[_VLLM_FIRST_TOKENS]) if _VLLM_FIRST_TOKENS in vals else None)
 
 
-def sglang_first_tokens(body: bytes) -> int:
-    """SGLang's `/metrics`: the first tokens it has produced (its TTFT histogram's count)."""
-    vals = prometheus_values(body, ("sglang:time_to_first_token_seconds_count",))
-    if not vals:
-        raise ValueError("/metrics has no sglang:time_to_first_token_seconds_count")
-    return int(vals["sglang:time_to_first_token_seconds_count"])
-
-
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)
 
 

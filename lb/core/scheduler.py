@@ -397,13 +397,15 @@ class Scheduler:
         anyone, and its TTFT teaches the prediction (`lb.core.backlog`)."""
         self.backlog.first_token(request_id, now)
 
-    def ended(self, request_id: str, view: ReplicaView | None = None) -> None:
-        """A placed request ended (answered, failed, cancelled) on `view`: nothing of it is ahead
-        now, and its engine's first tokens are wanted only while others answered whole wait there."""
+    def ended(self, request_id: str) -> None:
+        """A placed request ended (answered, failed, cancelled): nothing of it is ahead now."""
         self.backlog.ended(request_id)
         self.leases.ended(request_id)
-        if view is not None:
-            view.first_tokens_wanted = view.id in self.backlog.whole_open
+
+    def wants_first_tokens(self, target_id: str) -> bool:
+        """Pushes answered whole wait on the target: a probe whose load endpoint does not count
+        first tokens reads them elsewhere too (lb.core.engines.first_tokens_source)."""
+        return target_id in self.backlog.whole_open
 
     def answering(self, target_id: str) -> int:
         """The target's placed requests whose first token came back and that have not ended:
@@ -592,13 +594,11 @@ class Scheduler:
     def _settle_whole_answers(self, targets: list, now: float) -> None:
         """Pushes answered whole whose prefill is done: those the engine's first-token count says
         (vLLM's TTFT histogram: `view.engine_first_tokens`), elsewhere those past their predicted TTFT."""
-        counted, waiting = self.backlog.counted, self.backlog.whole_open
+        counted = self.backlog.counted
         for t in targets:
             if t.view.engine_first_tokens is not None or t.view.id in counted:
                 self.backlog.engine_first_tokens(t.view.id, t.view.engine_first_tokens)
         self.backlog.expire(now)
-        for t in targets:  # where its load endpoint does not say, the probe asks (lb.core.engines)
-            t.view.first_tokens_wanted = t.view.id in waiting
 
     def _tell_ahead(self, targets) -> None:
         """Each target's view told this LB's prefill ahead there (lb.core.backlog)."""
@@ -746,7 +746,6 @@ class Scheduler:
             # 1,048 -> 825, streamed 1,168 and 840; docs/results.md).
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now,
                                 expires_at=now + predicted)
-            target.view.first_tokens_wanted = True
         memory = self.affinity.memory
         if memory is not None and target.view.kv_total_tokens:
             memory.cache_size(target.view.id, target.view.kv_total_tokens, self.bytes_per_token.value())

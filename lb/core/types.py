@@ -56,9 +56,6 @@ class ReplicaView:
     # vLLM's TTFT histogram; None where its load endpoint has none): when the prefill of a push
     # answered whole, which shows the LB no first token, is done (lb.core.backlog)
     engine_first_tokens: int | None = None
-    # this LB has pushes answered whole waiting there (lb.core.backlog): an engine whose load
-    # endpoint does not count first tokens is asked its metrics page too (lb.core.engines)
-    first_tokens_wanted: bool = False
     max_running: int | None = None
     # the batch cap learned from probes when the engine does not report one (vLLM keeps
     # max_num_seqs to itself; lb.core.pushing.learn_batch_cap)

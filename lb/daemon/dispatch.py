@@ -58,13 +58,14 @@ class Dispatcher:
         registry.on_change(self.wake)
         registry.wants_probe = self.scheduler.wants_probe
         registry.answering = self.scheduler.answering
+        registry.wants_first_tokens = self.scheduler.wants_first_tokens
         registry.on_add(lambda rep: self.scheduler.register(rep.id))
         registry.on_gone(lambda rep: self.scheduler.forget(rep.id))
 
     def _served(self, facts, rep, out, now: float) -> None:
         """Feed the policy what the replica took, timed from the push (the proxy times from
         arrival: take the LB queue wait off)."""
-        self.scheduler.ended(facts.request_id, rep.view)
+        self.scheduler.ended(facts.request_id)
         if out.status == 200 and out.e2e_s is not None:  # TTFT None: answered whole, not streamed
             wait = out.queue_wait_s or 0.0
             self.scheduler.served(facts, rep.id, None if out.ttft_s is None else out.ttft_s - wait, out.e2e_s - wait,

@@ -22,9 +22,9 @@ from typing import Callable
 import aiohttp
 import orjson
 
-from lb.core.engines import (FIRST_TOKENS_PAGE, LIVENESS, LOAD_ENDPOINTS, SHAPE_ERRORS, Detected, detection_due, detection_paths,
+from lb.core.engines import (KEEP_LAST, LIVENESS, LOAD_ENDPOINTS, first_tokens_source, SHAPE_ERRORS, Detected, detection_due, detection_paths,
                              engine_from_answers, queue_order_due)
-from lb.core.loadparse import EngineLoad, orders_by_prefix, sglang_first_tokens
+from lb.core.loadparse import EngineLoad, orders_by_prefix
 from lb.core.pushing import early_probe_delay, note_preemptions, probe_gap, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
@@ -134,7 +134,7 @@ class Prober:
                 engine, load = found.engine, found.load
             else:
                 load = await self._read_load(rep, LOAD_ENDPOINTS.get(engine, []))
-                if load is not None and load.first_tokens is None and engine in FIRST_TOKENS_PAGE:
+                if load is not None and load.first_tokens is None:
                     load = await self._with_first_tokens(rep, engine, load, t0)
             if load is None:
                 await self._get(rep, LIVENESS.get(engine, "/health"))
@@ -178,22 +178,24 @@ class Prober:
         self.registry.changed()
 
     async def _with_first_tokens(self, rep: Replica, engine: str, load: EngineLoad, now: float) -> EngineLoad:
-        """`load` with the first tokens the engine counted, where its load endpoint does not say
-        (SGLang's /v1/loads): read from its metrics page while pushes answered whole wait there
-        (lb.core.engines.FIRST_TOKENS_PAGE), else the count last read (nothing waits on it; the
-        first tokens since are met by those the LB knows of: lb.core.backlog). A page without
-        them (SGLang without --enable-metrics) is asked again only after `redetect_s`."""
-        page = FIRST_TOKENS_PAGE[engine]
-        if not rep.view.first_tokens_wanted:
+        """`load` with the first tokens the engine counted where its load endpoint does not say
+        (SGLang's /v1/loads), from where `first_tokens_source` says."""
+        source = first_tokens_source(engine, self.registry.wants_first_tokens(rep.id),
+                                     rep.first_tokens_absent_until, now)
+        if source == KEEP_LAST:
             return dataclasses.replace(load, first_tokens=rep.view.engine_first_tokens)
-        if now < rep.first_tokens_absent_until:
+        if source is None:
             return load
+        page, parse = source
         try:
-            return dataclasses.replace(load, first_tokens=sglang_first_tokens(await self._get(rep, page)))
+            count = parse(await self._get(rep, page)).first_tokens
         except (ConnectionError, ProbeFailed, *SHAPE_ERRORS) as e:  # the load was read: still a probe
-            log.debug("probe %s %s: no first-token count: %s", rep.id, page, e)
+            log.debug("probe %s %s: %s", rep.id, page, e)
+            count = None
+        if count is None:
             rep.first_tokens_absent_until = now + self.cfg.redetect_s
             return load
+        return dataclasses.replace(load, first_tokens=count)
 
     async def _read_load(self, rep: Replica, endpoints: list) -> EngineLoad | None:
         order = list(range(len(endpoints)))

@@ -58,6 +58,9 @@ class Registry:
         # how many of a replica's requests have their first token back and have not ended (the
         # scheduler's `answering`, set by the dispatcher): none of them is on its way there
         self.answering: Callable[[str], int] = lambda replica_id: 0
+        # pushes answered whole wait on it (the scheduler's `wants_first_tokens`): the probe reads
+        # a first-token count its load endpoint lacks (lb.core.engines.first_tokens_source)
+        self.wants_first_tokens: Callable[[str], bool] = lambda replica_id: False
 
     # -- listeners -------------------------------------------------------------------------
     def on_change(self, fn: Callable[[], None]) -> None:

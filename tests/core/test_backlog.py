@@ -301,15 +301,15 @@ def test_the_scheduler_reads_each_view_s_first_token_count():
     assert p.kind is Kind.REPLICA and s.backlog.ahead == {"a": 1000}
     s.schedule(NOW + 10 * predicted, [local], None)
     assert s.backlog.ahead == {"a": 1000}  # its engine has not counted its first token
-    assert local.view.first_tokens_wanted  # a probe whose load endpoint does not count asks
+    assert s.wants_first_tokens("a")  # a probe whose load endpoint does not count asks
     local.view.engine_first_tokens = 8
     s.schedule(NOW + 10 * predicted, [local], None)
-    assert s.backlog.ahead == {} and not local.view.first_tokens_wanted
+    assert s.backlog.ahead == {} and not s.wants_first_tokens("a")
     admit(s, "r2", stream=False)
     s.schedule(NOW, [local], None)
-    assert s.backlog.ahead == {"a": 1000} and local.view.first_tokens_wanted  # from its push on
-    s.ended("r2", local.view)  # answered: nothing waits on the count there
-    assert not local.view.first_tokens_wanted
+    assert s.backlog.ahead == {"a": 1000} and s.wants_first_tokens("a")  # from its push on
+    s.ended("r2")  # answered: nothing waits on the count there
+    assert not s.wants_first_tokens("a")
     admit(s, "r3", stream=False)
     s.schedule(NOW, [local], None)
     local.view.engine_first_tokens = None  # its probe no longer says: what waited on the count is done

@@ -141,9 +141,13 @@ def test_the_first_tokens_an_engine_counted_are_its_ttft_histogram_s_count():
     sglang = METRICS + b'sglang:time_to_first_token_seconds_count{model_name="m"} 12.0\n'
     assert loadparse.parse_sglang_metrics(sglang).first_tokens == 12
     assert loadparse.parse_sglang_metrics(METRICS).first_tokens is None
-    assert loadparse.sglang_first_tokens(sglang) == 12  # beside /v1/loads, which has none
-    with pytest.raises(ValueError):
-        loadparse.sglang_first_tokens(METRICS)  # SGLang without the histogram
+    # SGLang's /v1/loads counts none: its /metrics is read beside it only while pushes answered
+    # whole wait there, the last count kept otherwise, a page without one not asked again soon
+    from lb.core.engines import KEEP_LAST, first_tokens_source
+    assert first_tokens_source("sglang", True, 0.0, 5.0) == ("/metrics", loadparse.parse_sglang_metrics)
+    assert first_tokens_source("sglang", False, 0.0, 5.0) == KEEP_LAST
+    assert first_tokens_source("sglang", True, 35.0, 5.0) is None
+    assert first_tokens_source("llamacpp", True, 0.0, 5.0) is None
 
 
 def test_usage_from_stream_tail_skips_null_usage_chunks():
