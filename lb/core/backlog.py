@@ -42,6 +42,9 @@ MIN_SAMPLES = 20
 MAX_TRACKED = 65_536
 # First tokens this LB knows of that an engine's count may not have reached yet (`engine_first_tokens`)
 MAX_UNEXPLAINED = 256
+# The other instances' pushes remembered per target until its count or their end passes them
+# (`remote_placed`): as many as `lb.core.instances` remembers for its headroom
+MAX_REMOTE = 1024
 
 
 @dataclass(slots=True)
@@ -81,6 +84,9 @@ class Backlog:
         self._known: dict[str, int] = {}
         self._unexplained: dict[str, int] = {}
         self.whole_open: dict[str, int] = {}  # target → its pushes answered whole still ahead
+        # target → the other instances' pushes there (request key → uncached tokens) whose first
+        # token its count has not yet been taken to hold (`remote_placed`)
+        self._remote: dict[str, OrderedDict[str, float]] = {}
 
     # -- what happens to pushes ---------------------------------------------------------
     def placed(self, request_id: str, target_id: str, tokens: float, now: float,
@@ -136,7 +142,9 @@ class Backlog:
         token this LB knows of explains are taken to be this LB's pushes there answered whole
         with the fewest uncached tokens (a short prefill ends first: vLLM's step budget takes a
         short prompt beside a long one's chunks): their prefill is released now. A count beyond
-        ours (other clients' requests) is not carried over to our next pushes. From its first
+        ours (other clients' requests) is not carried over to our next pushes; the pushes of
+        another instance over the same replicas (`remote_placed`) stand in that line beside ours,
+        so their first tokens do not pass for ours. From its first
         report on, a target's pushes answered whole wait for its count (or their end) instead of
         their predicted TTFT, which came out late by a median 145 ms on multi-turn and 314 ms on
         agents at 0.9x (simulator, seed 0). Clients that do not stream, multi-turn at 0.9x: TTFT
@@ -148,6 +156,7 @@ class Backlog:
             if self.counted.pop(target_id, None) is not None:
                 self._known.pop(target_id, None)
                 self._unexplained.pop(target_id, None)
+                self._remote.pop(target_id, None)
                 for rid in list(self._whole.pop(target_id, {})):
                     self._release(rid)
             return
@@ -158,17 +167,43 @@ class Backlog:
         known = self._known.pop(target_id, 0)
         if seen is None or count < seen:  # the first report, or an engine that restarted
             self._unexplained[target_id] = 0
+            self._remote.pop(target_id, None)
             return
-        whole = self._whole.get(target_id)
+        whole, remote = self._whole.get(target_id), self._remote.get(target_id)
         left = self._unexplained.get(target_id, 0) + (count - seen) - known
-        if left > 0 and whole:
-            done = heapq.nsmallest(left, whole.items(), key=lambda item: item[1].tokens)
-            for rid, _ in done:
-                self._release(rid)
+        if left > 0 and (whole or remote):
+            ours = ((p.tokens, rid, True) for rid, p in (whole or {}).items())
+            theirs = ((tokens, key, False) for key, tokens in (remote or {}).items())
+            done = heapq.nsmallest(left, itertools.chain(ours, theirs), key=lambda item: item[0])
+            for _, rid, own in done:
+                if own:
+                    self._release(rid)
+                else:
+                    del remote[rid]
             left -= len(done)
         # more first tokens than ours: other clients' (never carried into our next pushes); fewer:
         # known ones its count had not reached, met by its next report (bounded)
         self._unexplained[target_id] = max(-MAX_UNEXPLAINED, min(0, left))
+
+    def remote_placed(self, key: str, target_id: str, tokens: float) -> None:
+        """Another instance over the same replicas (`lb.core.instances`) pushed `key` to `target_id`,
+        with `tokens` of its prompt to compute. Where the target's engine counts its first tokens,
+        that push's first token is counted there too: it stands with ours in the line the count
+        passes (`engine_first_tokens`), so it does not release one of our pushes early. Not ahead
+        of anything here: the replica's view counts the others' prefill until a probe does."""
+        if target_id not in self.counted:
+            return
+        line = self._remote.setdefault(target_id, OrderedDict())
+        line[key] = tokens
+        while len(line) > MAX_REMOTE:
+            line.popitem(last=False)
+
+    def remote_ended(self, key: str, target_id: str) -> None:
+        """The other instance's push `key` ended: a first token the count holds or will (an
+        answer that failed before its first is rare, and met by a later count as another client's)."""
+        line = self._remote.get(target_id)
+        if line is not None and line.pop(key, None) is not None:
+            self._known[target_id] = self._known.get(target_id, 0) + 1
 
     def expire(self, now: float) -> None:
         """Release the pushes whose assumed end of prefill has come."""
@@ -202,7 +237,7 @@ class Backlog:
                 del self.answering[target]
 
     def forget(self, target_id: str) -> None:
-        for d in (self._whole, self.counted, self._known, self._unexplained, self.whole_open):
+        for d in (self._whole, self.counted, self._known, self._unexplained, self.whole_open, self._remote):
             d.pop(target_id, None)
         self.ahead.pop(target_id, None)
         self.ahead_count.pop(target_id, None)

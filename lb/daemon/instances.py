@@ -47,6 +47,7 @@ class SharedPushes:
         self.policy = dispatcher.policy
         self.leases = dispatcher.scheduler.leases  # the interactions' leases and how calls continue
         self.queue = dispatcher.scheduler.queue  # the rank each interaction keeps there
+        self.backlog = dispatcher.scheduler.backlog  # the first tokens an engine counts for both of us
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
         self.dropped = 0
@@ -155,6 +156,7 @@ class SharedPushes:
         mem = self.policy.prefix_memory  # the other instance sent this prefix there: so would we now
         if isinstance(heard, HeardEnd):
             known = note_remote_end(rep.view, log, heard.key, probe_started)
+            self.backlog.remote_ended(heard.key, rep.id)
             if mem is not None:
                 heard_answer(mem.trie, heard)
             if known:  # as one LB would on its own answer's end: the room it freed, seen at once
@@ -166,3 +168,4 @@ class SharedPushes:
         heard_interaction(self.leases, heard, time.monotonic())
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)
+        self.backlog.remote_placed(heard.key, rep.id, prefill)

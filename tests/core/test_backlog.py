@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lb.core.backlog import MIN_SAMPLES, Backlog, parse_advert, remote_ttft
+from lb.core.backlog import MAX_REMOTE, MIN_SAMPLES, Backlog, parse_advert, remote_ttft
 from lb.core.peering import PeerConfig, PeeringConfig, PeerRouter, PeerStatus, predicted_peer
 from lb.core.policies import make_policy
 from lb.core.queueing import make_queue
@@ -288,6 +288,36 @@ def test_an_engine_s_first_token_count_releases_the_shortest_pushes_answered_who
     assert b.ahead == {}
     b.forget("a")
     assert not b._whole and not b.counted and not b._unexplained
+
+
+def test_the_other_instance_s_pushes_stand_in_the_count_s_line_beside_ours():
+    """Two LBs over the same replicas (lb.core.instances): the engine counts the other's first
+    tokens too. Its pushes stand in the line the count passes, shortest first beside ours, so
+    a first token of theirs does not release a push of ours; one that ended is known to the
+    count; a restarted engine or a target forgotten drops them; the line is bounded."""
+    b = Backlog()
+    b.remote_placed("x0", "a", 10)  # no count from that engine yet: nothing waits on one
+    assert not b._remote
+    b.engine_first_tokens("a", 100)  # the first report: a baseline
+    b.placed("w1", "a", 300, NOW, expires_at=NOW + 0.1)
+    b.remote_placed("t1", "a", 50)
+    b.remote_placed("t2", "a", 500)
+    b.engine_first_tokens("a", 101)  # one first token: the shortest prefill in the line, theirs
+    assert b.ahead == {"a": 300}
+    b.remote_ended("t2", "a")  # answered at the other instance: its first token is in the count or will be
+    b.remote_ended("t9", "a")  # one we never heard of: nothing
+    b.engine_first_tokens("a", 102)  # that one
+    assert b.ahead == {"a": 300}
+    b.engine_first_tokens("a", 103)
+    assert b.ahead == {} and not b._remote["a"]
+    for i in range(MAX_REMOTE + 10):
+        b.remote_placed(f"k{i}", "a", 1.0)
+    assert len(b._remote["a"]) == MAX_REMOTE and "k0" not in b._remote["a"]
+    b.engine_first_tokens("a", 2)  # restarted: what it counted before is gone, and so is the line
+    assert "a" not in b._remote
+    b.remote_placed("k", "a", 1.0)
+    b.forget("a")
+    assert not b._remote
 
 
 def test_the_scheduler_reads_each_view_s_first_token_count():
