@@ -198,6 +198,11 @@ class Backlog:
         while len(line) > MAX_REMOTE:
             line.popitem(last=False)
 
+    def awaiting_count(self, target_id: str) -> dict[str, int]:
+        """The pushes on `target_id` whose first token waits on its engine's count: this LB's
+        answered whole, and the other instances' (`remote_placed`)."""
+        return {"ours": len(self._whole.get(target_id, ())), "others": len(self._remote.get(target_id, ()))}
+
     def remote_ended(self, key: str, target_id: str) -> None:
         """The other instance's push `key` ended: a first token the count holds or will (an
         answer that failed before its first is rare, and met by a later count as another client's)."""

@@ -263,7 +263,7 @@ def build_app(cfg: Config) -> web.Application:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise LBError(401, "admin needs Authorization: Bearer <server.admin_token>", code="invalid_api_key")
 
-    def replica_json(rep) -> dict:
+    def replica_json(rep, lb) -> dict:
         v = rep.view
         return {"id": v.id, "url": v.url, "engine": v.engine, "models": sorted(v.models), "healthy": v.healthy,
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
@@ -272,6 +272,9 @@ def build_app(cfg: Config) -> web.Application:
                 # the first tokens its engine counts (vLLM's TTFT histogram): when a push answered
                 # whole has finished its prefill (lb.core.backlog); None where it does not say
                 "first_tokens": v.engine_first_tokens,
+                # ...and the pushes whose first token waits on that count, this LB's and another
+                # instance's over the same replicas (a shared Redis)
+                "first_tokens_awaited": lb.dispatcher.scheduler.backlog.awaiting_count(v.id),
                 # the batch cap SP-P's headroom uses: the engine's own, or learned from probes
                 "max_running": v.max_running if v.max_running is not None else v.learned_max_running,
                 "max_running_source": ("reported" if v.max_running is not None
@@ -295,7 +298,7 @@ def build_app(cfg: Config) -> web.Application:
     @routes.get("/admin/replicas")
     async def list_replicas(request: web.Request) -> web.Response:
         check_admin(request)
-        return _json({"replicas": [replica_json(r) for r in lb_of(request).registry.replicas.values()]})
+        return _json({"replicas": [replica_json(r, lb_of(request)) for r in lb_of(request).registry.replicas.values()]})
 
     @routes.post("/admin/replicas")
     async def add_replica(request: web.Request) -> web.Response:
@@ -311,7 +314,7 @@ def build_app(cfg: Config) -> web.Application:
             rep = lb.registry.add(rc)
         except KeyError as e:
             raise LBError(409, str(e.args[0]), code="replica_exists")
-        return _json(replica_json(rep), 201)
+        return _json(replica_json(rep, lb_of(request)), 201)
 
     @routes.delete("/admin/replicas/{id}")
     async def remove_replica(request: web.Request) -> web.Response:
@@ -321,7 +324,7 @@ def build_app(cfg: Config) -> web.Application:
         rep = lb.registry.get(rid)
         if rep is None or not lb.registry.remove(rid):
             raise LBError(404, f"no active replica {rid!r}", code="replica_not_found")
-        return _json({**replica_json(rep), "status": "draining" if rep.view.outstanding else "removed"}, 202)
+        return _json({**replica_json(rep, lb_of(request)), "status": "draining" if rep.view.outstanding else "removed"}, 202)
 
     add_job_routes(routes, lambda request: lb_of(request).proxy.jobs)  # /v1/lb/jobs (durable batch)
 

@@ -220,3 +220,46 @@ def test_room_the_other_instance_frees_takes_our_queued_request_without_waiting_
     first.join()
     assert ended["b"] > ended["a"]  # it waited for the room: the engine ran one at a time
     assert ended["b"] - started < 15.0  # placed when a's answer ended, long before b's next probe
+
+
+def test_the_other_instance_s_answers_sent_whole_wait_on_the_engine_s_first_token_count_at_both(
+        tmp_path: Path, procs, redis_url):
+    """vLLM counts every first token it produces, this LB's and the other instance's alike. A
+    push answered whole at `a` stands in that count's line at `b` too (heard over Redis), so a
+    first token of `a`'s does not release one of `b`'s early (lb.core.backlog.remote_placed),
+    and it leaves the line when its answer ends at `a`."""
+    emu, emu_url = start_emulator("--speed", "0.02", name="emu-count")  # a slow prefill: time to look
+    procs.append(emu)
+    cfg = tmp_path / "lb-count.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "pair-count:"\n\n'
+                   f'[probes]\ninterval_s = 0.1\n\n'
+                   f'[[replicas]]\nurl = "{emu_url}"\nengine = "vllm"\nmodels = ["m"]\n')
+    a, b = (start_lb(config=cfg, name=f"lb-count-{i}") for i in range(2))
+    procs.extend([a.proc, b.proc])
+    both_subscribed(redis_url, "pair-count:")
+
+    def awaited(lb) -> dict:
+        doc = http_json("GET", lb.url + "/admin/replicas", headers={"Authorization": f"Bearer {lb.token}"})[1]
+        (rep,) = doc["replicas"]
+        return rep["first_tokens"], rep["first_tokens_awaited"]
+
+    poll(lambda: awaited(a)[0] is not None and awaited(b)[0] is not None, what="both read the engine's count")
+    for lb in (a, b):  # each has scheduled on that count (a running pair, not two fresh ones)
+        status, _ = http_json("POST", lb.url + "/v1/chat/completions",
+                              {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200
+    assert awaited(b)[1] == {"ours": 0, "others": 0}
+    conn = http.client.HTTPConnection("127.0.0.1", a.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "count these words " * 400}], "max_tokens": 4}),
+        {"Content-Type": "application/json"})
+    try:
+        poll(lambda: awaited(a)[1]["ours"] == 1 and awaited(b)[1]["others"] == 1,
+             what="the push waiting on the count at both instances", interval=0.02)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
+    finally:
+        conn.close()
+    poll(lambda: awaited(a)[1] == {"ours": 0, "others": 0} and awaited(b)[1] == {"ours": 0, "others": 0},
+         what="the line empty once the count or the answer passed it")
