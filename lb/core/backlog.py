@@ -185,12 +185,16 @@ class Backlog:
         # known ones its count had not reached, met by its next report (bounded)
         self._unexplained[target_id] = max(-MAX_UNEXPLAINED, min(0, left))
 
-    def remote_placed(self, key: str, target_id: str, tokens: float) -> None:
+    def remote_placed(self, key: str, target_id: str, tokens: float, count: int | None = None) -> None:
         """Another instance over the same replicas (`lb.core.instances`) pushed `key` to `target_id`,
         with `tokens` of its prompt to compute. Where the target's engine counts its first tokens,
         that push's first token is counted there too: it stands with ours in the line the count
         passes (`engine_first_tokens`), so it does not release one of our pushes early. Not ahead
-        of anything here: the replica's view counts the others' prefill until a probe does."""
+        of anything here: the replica's view counts the others' prefill until a probe does.
+        `count`: the engine's count as last probed, the baseline where none is set yet (an
+        instance that has placed nothing since it started)."""
+        if target_id not in self.counted and count is not None:
+            self.engine_first_tokens(target_id, count)
         if target_id not in self.counted:
             return
         line = self._remote.setdefault(target_id, OrderedDict())

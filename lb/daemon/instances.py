@@ -168,4 +168,4 @@ class SharedPushes:
         heard_interaction(self.leases, heard, time.monotonic())
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)
-        self.backlog.remote_placed(heard.key, rep.id, prefill)
+        self.backlog.remote_placed(heard.key, rep.id, prefill, rep.view.engine_first_tokens)

@@ -298,6 +298,11 @@ def test_the_other_instance_s_pushes_stand_in_the_count_s_line_beside_ours():
     b = Backlog()
     b.remote_placed("x0", "a", 10)  # no count from that engine yet: nothing waits on one
     assert not b._remote
+    fresh = Backlog()  # an instance that has placed nothing yet: the probed count is the baseline
+    fresh.remote_placed("y0", "a", 10, count=7)
+    assert fresh.counted == {"a": 7} and fresh.awaiting_count("a") == {"ours": 0, "others": 1}
+    fresh.engine_first_tokens("a", 8)
+    assert fresh.awaiting_count("a") == {"ours": 0, "others": 0}
     b.engine_first_tokens("a", 100)  # the first report: a baseline
     b.placed("w1", "a", 300, NOW, expires_at=NOW + 0.1)
     b.remote_placed("t1", "a", 50)
