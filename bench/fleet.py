@@ -8,6 +8,7 @@ the bottleneck.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -18,7 +19,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Callable
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,10 +30,71 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SATURATION = 0.85  # warn when the run used this share of the machine's cores
 
 
+PORT_LOCKS = Path(tempfile.gettempdir()) / f"lb-fleet-ports-{os.getuid()}"  # an empty file per port reserved
+MAX_RESERVED = 512  # ports this process keeps reserved; the oldest is let go first
+_reserved: OrderedDict[int, int] = OrderedDict()  # port -> the fd holding its lock
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and reserved against every other process that takes its ports
+    here, until this process exits or has reserved `MAX_RESERVED` newer ones.
+
+    bind(0) alone is not enough: the port is free again once the socket closes, and before the
+    service started on it binds, another process's bind(0) can be handed the same one. That was
+    seen in CI with two test workers: one's emulator failed with "address already in use" and
+    its readiness poll was answered by the other's. So each port handed out is flocked in
+    `PORT_LOCKS` (a lock dies with its holder, so a crashed run leaves nothing held) and a port
+    another process holds is skipped."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    for _ in range(256):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port in _reserved:
+            continue
+        fd = os.open(PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _reserved[port] = fd
+        while len(_reserved) > MAX_RESERVED:
+            os.close(_reserved.popitem(last=False)[1])
+        return port
+    raise RuntimeError(f"no free loopback port after 256 tries (locks in {PORT_LOCKS})")
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` in this network namespace (state 0A is LISTEN)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def listener_in_group(port: int, pgid: int) -> bool | None:
+    """Whether a process of group `pgid` is listening on `port`; None when /proc cannot tell
+    (no listener seen here, say in another network namespace)."""
+    sockets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if not sockets:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def cpu_seconds(pid: int) -> float:
@@ -55,7 +119,8 @@ def cores() -> int:
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None,
               until: Callable[[bytes], bool] | None = None) -> None:
     """Poll `url` until it answers 2xx (with a body `until` accepts, if given), `proc` dies,
-    or the deadline passes (tests use it too)."""
+    or the deadline passes (tests use it too). With `proc`, the answer counts only if `proc`'s
+    process group holds the port: an answer from some other process is not `proc` being ready."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -65,12 +130,23 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = N
             with urllib.request.urlopen(url, timeout=1.0) as r:
                 body = r.read()
                 if 200 <= r.status < 300 and (until is None or until(body)):
+                    if proc is not None and _foreign_listener(url, proc):
+                        raise RuntimeError(f"{url} was answered by a process outside the one started "
+                                           f"(pid {proc.pid}): another process holds its port")
                     return
                 last = Exception(f"answered {body[:200]!r}")
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             last = e
         time.sleep(0.05)
     raise TimeoutError(f"{url} not ready after {timeout:g}s: {last}")
+
+
+def _foreign_listener(url: str, proc: subprocess.Popen) -> bool:
+    try:
+        group = os.getpgid(proc.pid)
+    except OSError:  # exited since the poll: the next poll reports how
+        return False
+    return listener_in_group(urlsplit(url).port or 80, group) is False
 
 
 def all_workers_healthy(n: int) -> Callable[[bytes], bool]:
