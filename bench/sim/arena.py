@@ -60,6 +60,10 @@ class FleetSpec:
     # None: every replica serves from the start. Else each region's last replica joins at this
     # virtual second (a scale-out landing at a busy fleet: `sim-compare --join-at`), cold.
     join_at_s: float | None = None
+    # None: every replica runs `profile`. Else every second replica of each region runs this
+    # profile instead (another engine's scheduler on the same hardware: a fleet of vLLM and
+    # SGLang replicas side by side, as during a migration); its slow replicas are slowed too.
+    alt_profile: str | None = None
 
     def one_way(self, a: str, b: str) -> float:
         if a == b:
@@ -244,6 +248,7 @@ class Arena:
         self._rng = random.Random(f"http-{seed}-{jitter_seed}")
         self.loop = EventLoop()
         self.profile = get_profile(fleet.profile)
+        self.alt_profile = None if fleet.alt_profile is None else get_profile(fleet.alt_profile)
         self.callbacks: dict[str, tuple[Call, float, Callable[[Done], None]]] = {}
         self.arrived: dict[str, SimRequest] = {}  # requests in flight that reached their front
         self.done: list[Done] = []
@@ -261,7 +266,8 @@ class Arena:
         for region in fleet.regions:
             for k in range(region.replicas):
                 n += 1
-                profile = slowed(self.profile, fleet.slow_factor) if k < region.slow_replicas else self.profile
+                profile = self.alt_profile if self.alt_profile is not None and k % 2 else self.profile
+                profile = slowed(profile, fleet.slow_factor) if k < region.slow_replicas else profile
                 front = self.fronts[region.name]
                 joins = fleet.join_at_s is not None and k == region.replicas - 1
                 rep = SimReplica(f"{region.name}/{n}", region.name, profile.model, profile, self.loop, front,

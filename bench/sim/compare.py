@@ -33,7 +33,7 @@ from bench.sim.clients import Surge
 from bench.sim.enginestats import WaitingSampler, replica_stats
 from bench.sim.model import LBConfig
 from bench.sim.peer_policies import PEERS
-from bench.sim.workloads_sim import ENGINES, PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
+from bench.sim.workloads_sim import ENGINES, MIXED, PROGRAMS_PER_REPLICA, REPLAY_CLIENTS_PER_REPLICA, WORKLOADS, get
 from bench.stats import programs_finished_rps, steady_summary, tenant_summary
 from bench.systems import pick_names
 from bench.workloads.base import EXACT, check_max_tokens
@@ -300,10 +300,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the workload on a fleet K times larger (every region's replicas K times over; "
                              "capacity measured on that fleet, so --load keeps its meaning); also written "
                              "WORKLOAD*K")
-    parser.add_argument("--engine", choices=list(ENGINES),
+    parser.add_argument("--engine", choices=[*ENGINES, MIXED],
                         help="the replicas' scheduler: vllm (the default: admits by prompt blocks, preempts the "
-                             "newest), sglang (arrival order, reserves for answers, retracts) or sglang-lpm (the "
-                             "same, its queue longest cached prefix first); also WORKLOAD@ENGINE. Capacity is "
+                             "newest), sglang (arrival order, reserves for answers, retracts), sglang-lpm (the "
+                             "same, its queue longest cached prefix first) or mixed (every second replica of each "
+                             "region on sglang, the rest on vllm); also WORKLOAD@ENGINE. Capacity is "
                              "measured on those engines")
     parser.add_argument("--join-at", type=float, metavar="S",
                         help="a scale-out under load: each region's last replica joins, cold, at S virtual seconds "

@@ -119,14 +119,19 @@ def register(workload: Workload) -> Workload:
 # `--schedule-policy lpm` (its waiting queue longest cached prefix first: the default of older
 # releases). Operators run any of them; a policy has to win on each.
 ENGINES = {"vllm": "", "sglang": "-sglang-fcfs", "sglang-lpm": "-sglang"}
+# A fleet of both: every second replica of each region on SGLang's scheduler as it ships, the
+# rest on vLLM's (`FleetSpec.alt_profile`). Replicas that differ in kind, not only in speed:
+# what `lb` knows of each it learns online, and no setting names the engine.
+MIXED = "mixed"
 
 
 def get(name: str) -> Workload:
     """A workload by name; "NAME*K" is NAME on a fleet K times larger (`scaled`), and a suffix
     "@sglang" the same on SGLang's scheduler (`on_engine`)."""
     name, at, engine = name.partition("@")
-    if at and engine not in ENGINES:
-        raise ValueError(f"{name}@{engine!r}: the engine after '@' is one of {', '.join(ENGINES)}, e.g. {name}@sglang")
+    if at and engine not in ENGINES and engine != MIXED:
+        raise ValueError(f"{name}@{engine!r}: the engine after '@' is one of {', '.join([*ENGINES, MIXED])}, "
+                         f"e.g. {name}@sglang")
     base, star, times = name.partition("*")
     if base not in WORKLOADS:
         raise ValueError(f"unknown workload {base!r}; choose from {', '.join(WORKLOADS)} (lb-bench sim-compare --list)")
@@ -139,7 +144,15 @@ def get(name: str) -> Workload:
 
 
 def on_engine(w: Workload, engine: str) -> Workload:
-    """`w` with every replica on `engine`'s scheduler (`ENGINES`), the same hardware."""
+    """`w` with every replica on `engine`'s scheduler (`ENGINES`), the same hardware; `MIXED`:
+    every second replica on SGLang's."""
+    if engine == MIXED:
+        alt = f"{w.fleet.profile}{ENGINES['sglang']}"
+        if alt not in PROFILES:
+            raise ValueError(f"{w.name}@{engine}: no sglang profile of {w.fleet.profile} (bench/profiles.py)")
+        return dataclasses.replace(w, name=f"{w.name}@{engine}", fleet=dataclasses.replace(w.fleet, alt_profile=alt),
+                                   description=f"{w.description}; every second replica on SGLang's scheduler, "
+                                               "the rest on vLLM's")
     if not ENGINES[engine]:
         return w
     profile = f"{w.fleet.profile}{ENGINES[engine]}"

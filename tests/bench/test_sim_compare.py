@@ -680,7 +680,7 @@ def test_a_workload_runs_on_sglangs_scheduler_and_lb_hears_its_retractions(tmp_p
     big = workloads_sim.get("regions*2@sglang")
     assert (big.name, big.fleet.regions[0].replicas, big.fleet.profile) == ("regions*2@sglang", 4,
                                                                           "l4-llama3-8b-sglang-fcfs")
-    with pytest.raises(ValueError, match="the engine after '@' is one of vllm, sglang, sglang-lpm"):
+    with pytest.raises(ValueError, match="the engine after .@. is one of vllm, sglang, sglang-lpm, mixed"):
         workloads_sim.get("tot@tgi")
     assert workloads_sim.get("tot@vllm") is workloads_sim.get("tot")
 
@@ -843,3 +843,24 @@ def test_the_hot_shift_replay_moves_its_hot_app_every_500_requests():
     assert same[0].tokens[:HOT_SHIFT_SYSTEM_TOKENS] == same[1].tokens[:HOT_SHIFT_SYSTEM_TOKENS]
     assert same[0].tokens[HOT_SHIFT_SYSTEM_TOKENS:] != same[1].tokens[HOT_SHIFT_SYSTEM_TOKENS:]
     assert [c.tokens[0] for c in (t.call for t in itertools.islice(hot_shift_calls(1), 200))] != apps[:200]
+
+
+def test_a_mixed_fleet_runs_vllm_and_sglang_replicas_side_by_side_and_lb_serves_on_both():
+    """WORKLOAD@mixed: every second replica of each region on SGLang's scheduler, the rest on
+    vLLM's, slow replicas slowed whichever they run; lb is given no word of which is which."""
+    from bench.sim import compare, workloads_sim
+
+    w = workloads_sim.get("heterogeneous@mixed")
+    assert (w.name, w.fleet.profile, w.fleet.alt_profile) == ("heterogeneous@mixed", "l4-llama3-8b",
+                                                             "l4-llama3-8b-sglang-fcfs")
+    with pytest.raises(ValueError, match="one of vllm, sglang, sglang-lpm, mixed"):
+        workloads_sim.get("tot@tgi")
+    arena = compare.make_arena("heterogeneous@mixed", "lb", seed=0)
+    kinds = ["sglang" if r.engine.profile.new_token_ratio is not None else "vllm" for r in arena.replicas]
+    assert kinds == ["vllm", "sglang", "vllm", "sglang"]
+    steps = [r.engine.profile.step_base_s for r in arena.replicas]
+    assert steps[0] == steps[1] == 2 * steps[2] == 2 * steps[3]  # the two slow ones, one of each kind
+    w.drive(arena, seed=0, rate_rps=20.0, stop_at=40.0)
+    arena.loop.run(40.0)
+    served = {r.id: r.engine.counters.requests for r in arena.replicas}
+    assert all(served.values()), served
