@@ -5,7 +5,7 @@ decisions into HTTP answers (identity → 400/401, OIT/RPM throttle → 429 with
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
@@ -47,15 +47,18 @@ class Fairness:
         except IdentityError as e:
             raise LBError(401 if e.unauthenticated else 400, e.message, code=e.code, param=e.param) from None
 
-    async def check_throttle(self, facts: RequestFacts, now: float, queue_len: int, any_available: bool) -> None:
-        """Counts the request in its windows; raises the 429 when OIT/RPM says throttle."""
+    async def check_throttle(self, facts: RequestFacts, now: float, queue_len: int,
+                             any_available: Callable[[], bool]) -> None:
+        """Counts the request in its windows; raises the 429 when OIT/RPM says throttle.
+        `any_available` is asked only then: it asks SP-P about every replica, per request, for
+        nothing where no limit applies (the default)."""
         if self.budgets is not None:
             await self.budgets.check(facts)  # 429 once the tenant's tokens per minute are spent
         cfg = self.cfg.fairness
         rules = rate_limits(facts, cfg)
         if cfg.throttle == "none" or not rules:
             return
-        self.overload.observe(now, queue_len, any_available)
+        self.overload.observe(now, queue_len, any_available())
         wall = time.time()  # windows are shared between LBs: wall time, not monotonic
         hits = [(rule, await self.store.hit(rule.key, wall, rule.window_s, rule.limit)) for rule in rules]
         decision = throttle_decision(cfg, hits, overloaded=self.overload.overloaded(now),

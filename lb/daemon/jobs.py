@@ -188,7 +188,7 @@ class Jobs:
                               code="model_not_found", param="model")
             proxy.dispatcher.scheduler.recognize(facts, time.monotonic())  # as the proxy: OIT sees continuations
             await fairness.check_throttle(facts, time.monotonic(), len(proxy.dispatcher.queue),
-                                          any(proxy.dispatcher.available(r.view) for r in proxy.registry.active()))
+                                          lambda: any(proxy.dispatcher.available(r.view) for r in proxy.registry.active()))
             return await self.accept(request, url, body, facts, custom_id)
         except LBError as e:
             return e.response(rid)

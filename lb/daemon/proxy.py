@@ -308,7 +308,7 @@ class Proxy:
             if known is not None:
                 self.metrics.child(self.metrics.undeclared, "yes" if known else "no").inc()
             await fairness.check_throttle(facts, t0, len(self.dispatcher.queue),  # 429 under OIT/RPM
-                                          any(self.dispatcher.available(r.view) for r in self.registry.active()))
+                                          lambda: any(self.dispatcher.available(r.view) for r in self.registry.active()))
         if self.jobs.durable(request):  # 202 and a job id: served later, survives a restart
             return await self.jobs.accept(request, request.path, doc, facts)
         if route.dispatch != DIRECT:  # a tokenize call is not judged against an SLO
