@@ -22,7 +22,7 @@ from typing import Callable
 from bench import report, report_md
 from bench.cluster import ClusterSpec, RegionSpec
 from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
-from bench.profiles import on_schedule_policy
+from bench.profiles import get_profile, on_schedule_policy
 from bench.systems import (DIRECT, System, lb, nginx, pick_names, sglang_router, start, start_regional, unavailable,
                            vllm_router)
 from lb.core.policies import DEFAULT_POLICY
@@ -77,6 +77,9 @@ class Compare:
     systems: list[System]
     duration_s: float
     profile: str = "l4-llama3-8b"
+    # None: every replica runs `profile`. Else every second one runs this instead (--mixed-engines:
+    # SGLang's scheduler beside vLLM's on the same hardware)
+    alt_profile: str | None = None
     speed: float = 1.0
     seed: int = 0
     params: dict = field(default_factory=dict)
@@ -197,8 +200,9 @@ def measure(c: Compare, system: System, log_dir: Path) -> dict:
             replica_urls = [u for urls in regional.replicas.values() for u in urls]
             run = lambda: _regional_clients(c, regional.client_targets)
         else:
-            emus = fleet.emulators(c.replicas, profile=c.profile, speed=c.speed, seed=c.seed,
-                                   extra=list(c.emulator_args))
+            emus = [fleet.emulator(f"emu{i}", profile=c.alt_profile if c.alt_profile and i % 2 else c.profile,
+                                   speed=c.speed, seed=c.seed + i, extra=list(c.emulator_args))
+                    for i in range(c.replicas)]
             replica_urls = [e.url for e in emus]
             targets = start(system, fleet, replica_urls, speed=c.speed)
             run = lambda: _single(c, targets)
@@ -290,7 +294,8 @@ def lb_from_file(path: str, *, regional: bool) -> System:
 
 def with_run_options(c: Compare, repeats: int | None, stream: bool = True, duration: float | None = None,
                      systems: str | None = None, clients: int | None = None, lb_config: str | None = None,
-                     lb_headers: bool = True, schedule_policy: str | None = None) -> Compare:
+                     lb_headers: bool = True, schedule_policy: str | None = None,
+                     mixed_engines: bool = False) -> Compare:
     """The command line's run options. `--repeats N`; unset: DEFAULT_REPEATS for a full run, 1
     for a --quick smoke run. `--no-stream` (stream False): every client asks for whole answers.
     `--duration S`: each run's length (a longer one has a longer steady state after its
@@ -300,7 +305,8 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
     system `lb config`. `--no-session-headers` (lb_headers False): clients send none of lb's
     headers, as third-party clients (the peers that hash `X-LB-Session` then hash nothing).
     `--schedule-policy P`: a scenario on SGLang's scheduler runs its engines with their waiting
-    queue in P's order (bench.profiles.on_schedule_policy)."""
+    queue in P's order (bench.profiles.on_schedule_policy). `--mixed-engines`: every second
+    replica on SGLang's scheduler (arrival order, as it ships), the rest as the scenario has them."""
     n = repeats if repeats is not None else (1 if c.quick else DEFAULT_REPEATS)
     if n < 1:
         raise SystemExit("--repeats must be >= 1")
@@ -322,6 +328,19 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
                                  f"not {c.profile}; the load is the scenario's, so its share of capacity differs"]
             c.profile = profile
         c.options.append(f"--schedule-policy {schedule_policy}")
+    if mixed_engines:
+        if c.regions is not None:
+            raise SystemExit(f"--mixed-engines: {c.scenario} runs three regions; it takes --mixed-engines only in one")
+        alt = f"{c.profile.removesuffix('-sglang-fcfs').removesuffix('-sglang')}-sglang-fcfs"
+        if alt == c.profile:
+            raise SystemExit(f"--mixed-engines: {c.scenario}'s replicas run SGLang's scheduler already ({c.profile})")
+        try:
+            get_profile(alt)
+        except ValueError as e:
+            raise SystemExit(f"--mixed-engines: {c.scenario}: {e}") from None
+        c.alt_profile = alt
+        c.options.append("--mixed-engines")
+        c.notes = [*c.notes, f"--mixed-engines: every second replica is {alt} (SGLang's scheduler), the rest {c.profile}"]
     if clients is not None:
         from bench.client import is_open_loop
         from bench.workloads import make_workload
@@ -357,9 +376,10 @@ def scenario_runner(compare: Callable[[bool], Compare]) -> Callable[..., dict]:
     """A compare-* scenario's `run`, as `lb-bench scenario NAME [options]` calls it."""
     def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
             duration: float | None = None, systems: str | None = None, clients: int | None = None,
-            lb_config: str | None = None, lb_headers: bool = True, schedule_policy: str | None = None) -> dict:
+            lb_config: str | None = None, lb_headers: bool = True, schedule_policy: str | None = None,
+            mixed_engines: bool = False) -> dict:
         return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config,
-                                            lb_headers, schedule_policy), out_dir)
+                                            lb_headers, schedule_policy, mixed_engines), out_dir)
     return run
 
 
@@ -435,7 +455,8 @@ def _fmt(fig: dict, scale: float = 1.0) -> str:
 
 
 def setup(c: Compare) -> dict:
-    base = {"workload": c.workload, "params": c.params, "profile": c.profile, "speed": c.speed, "seed": c.seed,
+    base = {"workload": c.workload, "params": c.params, "profile": c.profile, "alt_profile": c.alt_profile,
+            "speed": c.speed, "seed": c.seed,
             "duration_s": c.duration_s, "emulator_args": c.emulator_args}
     if c.regions:
         return {**base, "regions": {r.name: {"replicas": r.replicas, "clients": r.clients} for r in c.regions},

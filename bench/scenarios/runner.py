@@ -73,6 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="compare-* scenarios on SGLang's scheduler (compare-long-short): the emulators' "
                              "waiting-queue order, as SGLang's --schedule-policy: fcfs (arrival order, today's "
                              "default) or lpm (longest cached prefix first, older releases' default)")
+    parser.add_argument("--mixed-engines", action="store_true",
+                        help="compare-* scenarios in one region: every second replica on SGLang's scheduler, the "
+                             "rest on the scenario's (a fleet of vLLM and SGLang replicas side by side)")
     parser.add_argument("--lb-config", metavar="FILE",
                         help="compare-* scenarios: also run lb with this daemon config file as the system 'lb config' "
                              "(its durations in engine time, scaled by the scenario's speed-up like lb's defaults)")
@@ -143,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --no-session-headers", file=sys.stderr)
             return 2
         extra["lb_headers"] = False
+    if getattr(args, "mixed_engines", False):
+        if "mixed_engines" not in inspect.signature(module.run).parameters:
+            print(f"scenario {args.name} does not take --mixed-engines", file=sys.stderr)
+            return 2
+        extra["mixed_engines"] = True
     if getattr(args, "no_stream", False):
         if "stream" not in inspect.signature(module.run).parameters:
             print(f"scenario {args.name} does not take --no-stream", file=sys.stderr)

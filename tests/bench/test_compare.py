@@ -270,3 +270,22 @@ def test_the_regional_testbed_scales_every_engine_time_duration_and_keeps_the_pu
         cfg = load(tmp_path / "lb-us.toml")
     assert cfg.pushing.mode == "blind" and cfg.pushing.lease_s == pytest.approx(0.2)
     assert cfg.affinity.hold_s == pytest.approx(0.3) and cfg.probes.interval_s == pytest.approx(0.01)
+
+
+def test_mixed_engines_run_every_second_replica_on_sglangs_scheduler(tmp_path):
+    """`--mixed-engines`: one region's replicas alternate between the scenario's engine and
+    SGLang's scheduler on the same hardware, lb serves both, and the report says so."""
+    from bench.scenarios import compare_sp_micro, compare_tot
+    from bench.scenarios._compare import with_run_options
+
+    c = with_run_options(compare_sp_micro.compare(False), 1, mixed_engines=True)
+    assert (c.profile, c.alt_profile) == ("l4-llama3-8b", "l4-llama3-8b-sglang-fcfs")
+    assert c.options == ["--mixed-engines"] and "l4-llama3-8b-sglang-fcfs" in c.notes[-1]
+    with pytest.raises(SystemExit, match="--mixed-engines: compare-tot runs three regions"):
+        with_run_options(compare_tot.compare(False), 1, mixed_engines=True)
+
+    summary = run_compare(tiny([lb()], alt_profile="tiny-sglang"), tmp_path)
+    check_summary(summary, [lb()])
+    logs = sorted((tmp_path / "logs").rglob("emu*.log"))
+    started = [next(line for line in p.read_text().splitlines() if "listening" in line) for p in logs]
+    assert ["profile=tiny-sglang " in s for s in started] == [False, True], started
