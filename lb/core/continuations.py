@@ -6,8 +6,9 @@ turn, still shows itself: its prompt is the earlier call's prompt, that call's a
 came after, so its prefix chain (`lb.core.prefix`) holds the earlier prompt's last whole block.
 `recognize` gives such a call the earlier call's interaction, and a call that continues none its
 own. The same prompt sent again (it extends the earlier one by no whole block) is a new
-question, not a next step; a block where two interactions' prompts ended (a shared system
-prompt and questions shorter than a block) recognizes neither. A prompt shorter than one block
+question, not a next step; a block where two of a user's interactions' prompts ended (a shared
+system prompt and questions shorter than a block) recognizes neither. Other users' prompts
+ending there do not count: a call continues a call of its own user. A prompt shorter than one block
 (a chat's "hi") has no chain: it is known by a hash of the whole prompt, kept per user, and a
 call of a block or more that starts with it continues it. Two things use what is
 recognized: the KV leases (`lb.core.leases`) and the fair queue, which keeps a recognized
@@ -44,6 +45,12 @@ IMPLICIT = "lb.continuations.interaction"
 CONTINUED = "lb.continuations.continued"
 # Answered prompts whose continuations are recognized, at most (the oldest forgotten first).
 MAX_PROMPT_ENDS = 65536
+# Users whose prompts ended at one block, kept per block (the least recent forgotten first). A
+# continuation comes from the user of the call it continues, so prompts of other users that end
+# at the same block (the same system prompt and question, as many users send) do not make a
+# user's next call ambiguous: Tree of Thoughts' trees, each its own user asking a question
+# others ask too, had 15 % of their first children recognized when one block held one end.
+MAX_USERS_PER_END = 16
 # Users whose continued share is kept, at most (the least recently answered forgotten first).
 MAX_USERS = 4096
 # Each answered call weighs this much less than the one after it: a user's share is over
@@ -97,9 +104,10 @@ def interaction_of(facts: RequestFacts) -> str | None:
 
 class Continuations:
     def __init__(self):
-        # an answered undeclared call's last whole prompt block → [its interaction (None: two
-        # interactions ended a prompt there), its user, continued yet?, answered at, the block]
-        self._ends: OrderedDict[int, list] = OrderedDict()
+        # an answered undeclared call's last whole prompt block → its user → [its interaction
+        # (None: two of the user's interactions ended a prompt there), its user, continued yet?,
+        # answered at, the block]
+        self._ends: OrderedDict[bytes, dict[str, list]] = OrderedDict()
         # user → [answered, continued (both decayed), the last gaps to a continuation]
         self._users: OrderedDict[str, list] = OrderedDict()
         self._all = [0.0, 0.0]  # every user's together
@@ -111,12 +119,14 @@ class Continuations:
         extends by a whole block at least (`chain`: its prefix chain), else starts its own."""
         if declares(facts) or IMPLICIT in facts.extra:
             return
-        key, ends, end = None, self._ends, None
+        key, ends, end, user = None, self._ends, None, facts.user or ""
         if ends:
             for i in range(len(chain) - 2, -1, -1):  # a continuation's match sits near its end
-                end = ends.get(chain[i])
-                if end is not None:
-                    break
+                slot = ends.get(chain[i])
+                if slot is not None:
+                    end = slot.get(user)
+                    if end is not None:
+                        break
             if end is None and chain:  # or it extends a prompt shorter than a block by one or more
                 end = self._short_end(facts)
             if end is not None:
@@ -135,7 +145,7 @@ class Continuations:
             return None
         size = prompt_size(facts)
         for n, key in reversed(short):
-            end = self._ends.get(key)
+            end = self._ends.get(key, {}).get(facts.user or "")
             if end is not None and n < size and prompt_prefix_hash(facts, n) == key:
                 return end
         return None
@@ -166,8 +176,10 @@ class Continuations:
         self._record(last, key, user, now)
 
     def heard_continued(self, last: bytes, now: float) -> None:
-        """Another LB instance recognized a call continuing the prompt that ended at `last`."""
-        end = self._ends.get(last)
+        """Another LB instance recognized a call continuing the prompt that ended at `last`
+        (whose user the message does not say: counted only where one user's prompt ended there)."""
+        slot = self._ends.get(last)
+        end = next(iter(slot.values())) if slot is not None and len(slot) == 1 else None
         if end is not None and end[0] is not None and not end[2]:
             end[2] = True
             self._continued(end[1], now - end[3])
@@ -181,8 +193,12 @@ class Continuations:
 
     def _record(self, last: bytes, key: str, user: str, now: float) -> None:
         ends = self._ends
-        known = ends.pop(last, None)
-        ends[last] = [key if known is None or known[0] == key else None, user, False, now, last]
+        slot = ends.pop(last, None) or {}
+        known = slot.pop(user, None)
+        slot[user] = [key if known is None or known[0] == key else None, user, False, now, last]
+        if len(slot) > MAX_USERS_PER_END:
+            del slot[next(iter(slot))]
+        ends[last] = slot
         while len(ends) > MAX_PROMPT_ENDS:
             ends.popitem(last=False)
         counts = self._users.pop(user, None) or [0.0, 0.0, deque(maxlen=GAPS_KEPT)]

@@ -235,6 +235,31 @@ def test_a_prompt_end_two_interactions_share_recognizes_neither():
     assert later.extra[IMPLICIT] == "q3"
 
 
+def test_another_users_prompt_ending_at_the_same_block_leaves_a_users_next_call_recognized():
+    """Two users ask the same question (a shared system prompt and question, as trees of
+    thought or many chat users do): each one's next call continues its own first call, and
+    the same user asking it twice is still ambiguous."""
+    from lb.core.continuations import IMPLICIT
+    from lb.core.prefix import request_chain
+
+    leases = KvLeases(ttl_s=5.0)
+    question = SYSTEM + "Solve: a train leaves at 3 pm... " * 4
+    for rid, user in (("r1", "tree-1"), ("r2", "tree-2")):
+        call = undeclared(rid, question, user=user)
+        leases.continuations.recognize(call, request_chain(call), NOW)
+        leases.answered(call, "a", 400, 50, NOW, request_chain(call))
+    for rid, user, first in (("c1", "tree-1", "r1"), ("c2", "tree-2", "r2")):
+        child = undeclared(rid, question + "First thought: ... " * 20 + "Next step?", user=user)
+        leases.continuations.recognize(child, request_chain(child), NOW + 1)
+        assert child.extra[IMPLICIT] == first
+    again = undeclared("r3", question, user="tree-1")  # the same user's second tree on that question
+    leases.continuations.recognize(again, request_chain(again), NOW + 2)
+    leases.answered(again, "a", 400, 50, NOW + 2, request_chain(again))
+    child = undeclared("c3", question + "Another thought: ... " * 20, user="tree-1")
+    leases.continuations.recognize(child, request_chain(child), NOW + 3)
+    assert child.extra[IMPLICIT] == "c3"
+
+
 def test_past_capacity_an_undeclared_agents_next_step_finds_its_context_held():
     """The scheduler recognizes the undeclared agent's steps: once it has seen the agent's
     calls continued, a new session waits in the LB while the agent's context is leased, and

@@ -597,8 +597,8 @@ def _tree_then_newcomers(credit: float, declared: bool = True) -> tuple[Weighted
     (The papers' placement, `half_life_s = 0`, so that a newcomer's counter is plainly the
     least active one; the anchor does not depend on how newcomers are placed.) Undeclared:
     no call names its interaction; the tree's calls after the root were recognized by their
-    prompts as continuing it (lb.core.continuations), each newcomer's as its own: its rank
-    is kept from its second call (the root is not known to start anything), at counter 1."""
+    prompts as continuing it (lb.core.continuations), each newcomer's as its own: the root,
+    continuing nothing, may start an interaction and is anchored as a declared first call is."""
     svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0.0, interaction_credit=credit)
     q = make_queue("wsc", service=svc)
 
@@ -634,6 +634,27 @@ def test_an_interaction_under_way_keeps_the_rank_it_started_at_ahead_of_users_pl
         assert svc.get("wide") > 20 and order[0] == "w21"
         _, order = _tree_then_newcomers(credit=0.0, declared=declared)
         assert "w21" not in order
+
+
+def test_an_undeclared_first_call_anchors_the_interaction_its_recognized_continuations_join():
+    """A call that names no interaction and continues none is anchored under its own id (the
+    key its continuations are recognized under) at its user's counter before its charge, as a
+    declared first call is; so the tree's first children, waiting before any of them ran,
+    rank where the root was let in, not behind every tree started since."""
+    svc = service(default_weight=1.0, default_output_tokens=0, half_life_s=0.0)
+    q = make_queue("wsc", service=svc)
+    for user, rid, declared in (("u1", "root1", True), ("u2", "root2", False)):
+        e = entry(rid, t=0, user=user, prompt_tokens=5, interaction_id=rid if declared else None,
+                  interaction_stage=0 if declared else None)
+        if not declared:
+            e.facts.extra[IMPLICIT] = rid  # recognized as starting its own
+        q.push(e)
+        before = svc.get(user)  # as placed among the active users
+        assert q.pop(0.0).facts.request_id == rid
+        assert svc.get(user) == before + 5.0 and q.anchor(rid) == before
+    q.push(entry("single", t=0, user="u3", prompt_tokens=5))  # nothing recognized: no key, no anchor
+    q.pop(0.0)
+    assert q.anchor("single") is None
 
 
 def test_the_credit_bounds_how_far_below_its_users_standing_an_interaction_ranks():
