@@ -94,9 +94,9 @@ def interaction_key(facts: RequestFacts) -> str | None:
 
 
 def interaction_of(facts: RequestFacts) -> str | None:
-    """The interaction the call names, else the one it was recognized to continue: the fair
-    queue keeps such an interaction's rank as a declared one's from its second call on (a
-    first call is not known to start one; a single question starts none)."""
+    """The interaction the call names, else the one it was recognized to continue (a later
+    stage: `mid_interaction`). The fair queue anchors an interaction under `interaction_key`,
+    which also names the one an undeclared first call may start."""
     if facts.interaction_id is not None:
         return facts.interaction_id
     return facts.extra.get(IMPLICIT) if recognized_continuation(facts) else None
