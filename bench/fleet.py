@@ -146,7 +146,8 @@ def _foreign_listener(url: str, proc: subprocess.Popen) -> bool:
         group = os.getpgid(proc.pid)
     except OSError:  # exited since the poll: the next poll reports how
         return False
-    return listener_in_group(urlsplit(url).port or 80, group) is False
+    parts = urlsplit(url)
+    return listener_in_group(parts.port or (443 if parts.scheme == "https" else 80), group) is False
 
 
 def all_workers_healthy(n: int) -> Callable[[bytes], bool]:
@@ -212,9 +213,13 @@ class Fleet:
             args += ["--model", model]
         return self.start(name, args + (extra or []), "/health", port)
 
-    def emulators(self, n: int, **kwargs) -> list[Service]:
+    def emulators(self, n: int, *, alt_profile: str | None = None, **kwargs) -> list[Service]:
+        """`n` emulators, seeds counted up from `seed`; with `alt_profile`, every second one runs
+        that profile instead (a fleet of two engines' schedulers side by side)."""
         seed = kwargs.pop("seed", 0)
-        return [self.emulator(f"emu{i}", seed=seed + i, **kwargs) for i in range(n)]
+        profile = kwargs.pop("profile", "tiny")
+        return [self.emulator(f"emu{i}", seed=seed + i, profile=alt_profile if alt_profile and i % 2 else profile,
+                              **kwargs) for i in range(n)]
 
     def sglang_router(self, worker_urls: list[str], *, policy: str = "cache_aware", name: str = "sglang-router",
                       extra: list[str] | None = None) -> Service:

@@ -183,6 +183,20 @@ def on_schedule_policy(name: str, policy: str) -> str:
     return sibling
 
 
+def on_sglang(name: str) -> str:
+    """The profile of `name`'s hardware on SGLang's scheduler as it ships (arrival order), for a
+    fleet that runs it beside `name`; ValueError naming the fix when `name` runs SGLang's
+    already or has no such sibling."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    if PROFILES[name].new_token_ratio is not None:
+        raise ValueError(f"profile {name!r} runs SGLang's scheduler already")
+    sibling = f"{name}-sglang-fcfs"
+    if sibling not in PROFILES:
+        raise ValueError(f"profile {name!r} has no sibling {sibling!r} on SGLang's scheduler (bench/profiles.py)")
+    return sibling
+
+
 def get_profile(name: str) -> Profile:
     try:
         return PROFILES[name]

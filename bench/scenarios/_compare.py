@@ -22,7 +22,7 @@ from typing import Callable
 from bench import report, report_md
 from bench.cluster import ClusterSpec, RegionSpec
 from bench.fleet import SATURATION, CpuMeter, Fleet, saturation_warning
-from bench.profiles import get_profile, on_schedule_policy
+from bench.profiles import on_schedule_policy, on_sglang
 from bench.systems import (DIRECT, System, lb, nginx, pick_names, sglang_router, start, start_regional, unavailable,
                            vllm_router)
 from lb.core.policies import DEFAULT_POLICY
@@ -200,9 +200,8 @@ def measure(c: Compare, system: System, log_dir: Path) -> dict:
             replica_urls = [u for urls in regional.replicas.values() for u in urls]
             run = lambda: _regional_clients(c, regional.client_targets)
         else:
-            emus = [fleet.emulator(f"emu{i}", profile=c.alt_profile if c.alt_profile and i % 2 else c.profile,
-                                   speed=c.speed, seed=c.seed + i, extra=list(c.emulator_args))
-                    for i in range(c.replicas)]
+            emus = fleet.emulators(c.replicas, profile=c.profile, alt_profile=c.alt_profile, speed=c.speed,
+                                   seed=c.seed, extra=list(c.emulator_args))
             replica_urls = [e.url for e in emus]
             targets = start(system, fleet, replica_urls, speed=c.speed)
             run = lambda: _single(c, targets)
@@ -331,11 +330,8 @@ def with_run_options(c: Compare, repeats: int | None, stream: bool = True, durat
     if mixed_engines:
         if c.regions is not None:
             raise SystemExit(f"--mixed-engines: {c.scenario} runs three regions; it takes --mixed-engines only in one")
-        alt = f"{c.profile.removesuffix('-sglang-fcfs').removesuffix('-sglang')}-sglang-fcfs"
-        if alt == c.profile:
-            raise SystemExit(f"--mixed-engines: {c.scenario}'s replicas run SGLang's scheduler already ({c.profile})")
         try:
-            get_profile(alt)
+            alt = on_sglang(c.profile)
         except ValueError as e:
             raise SystemExit(f"--mixed-engines: {c.scenario}: {e}") from None
         c.alt_profile = alt

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from bench import traces
-from bench.profiles import PROFILES
+from bench.profiles import PROFILES, on_sglang
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Surge, Timed
 from bench.workloads import long_short, make_workload
@@ -147,9 +147,10 @@ def on_engine(w: Workload, engine: str) -> Workload:
     """`w` with every replica on `engine`'s scheduler (`ENGINES`), the same hardware; `MIXED`:
     every second replica on SGLang's."""
     if engine == MIXED:
-        alt = f"{w.fleet.profile}{ENGINES['sglang']}"
-        if alt not in PROFILES:
-            raise ValueError(f"{w.name}@{engine}: no sglang profile of {w.fleet.profile} (bench/profiles.py)")
+        try:
+            alt = on_sglang(w.fleet.profile)
+        except ValueError as e:
+            raise ValueError(f"{w.name}@{engine}: {e}") from None
         return dataclasses.replace(w, name=f"{w.name}@{engine}", fleet=dataclasses.replace(w.fleet, alt_profile=alt),
                                    description=f"{w.description}; every second replica on SGLang's scheduler, "
                                                "the rest on vLLM's")

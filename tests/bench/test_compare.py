@@ -275,12 +275,14 @@ def test_the_regional_testbed_scales_every_engine_time_duration_and_keeps_the_pu
 def test_mixed_engines_run_every_second_replica_on_sglangs_scheduler(tmp_path):
     """`--mixed-engines`: one region's replicas alternate between the scenario's engine and
     SGLang's scheduler on the same hardware, lb serves both, and the report says so."""
-    from bench.scenarios import compare_sp_micro, compare_tot
+    from bench.scenarios import compare_long_short, compare_sp_micro, compare_tot
     from bench.scenarios._compare import with_run_options
 
     c = with_run_options(compare_sp_micro.compare(False), 1, mixed_engines=True)
     assert (c.profile, c.alt_profile) == ("l4-llama3-8b", "l4-llama3-8b-sglang-fcfs")
     assert c.options == ["--mixed-engines"] and "l4-llama3-8b-sglang-fcfs" in c.notes[-1]
+    with pytest.raises(SystemExit, match="--mixed-engines: compare-long-short: profile .* runs SGLang's scheduler already"):
+        with_run_options(compare_long_short.compare(False), 1, mixed_engines=True)
     with pytest.raises(SystemExit, match="--mixed-engines: compare-tot runs three regions"):
         with_run_options(compare_tot.compare(False), 1, mixed_engines=True)
 
