@@ -23,7 +23,7 @@ from bench import traces
 from bench.profiles import PROFILES, on_sglang
 from bench.sim.arena import Arena, Call, FleetSpec, RegionSpec
 from bench.sim.clients import Programs, Replay, Surge, Timed
-from bench.workloads import long_short, make_workload
+from bench.workloads import long_short, make_workload, random_dataset
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
 from bench.workloads.reasoning import Reasoning
@@ -349,6 +349,14 @@ def long_short_calls(seed: int) -> Iterator[Timed]:
                                    answer_tokens, user=f"chat-{d.i % 64}"))
 
 
+def random_calls(seed: int) -> Iterator[Timed]:
+    """The live `random` workload's draws (bench/workloads/random_dataset.py says what and why) at
+    its defaults, each prompt one range of token ids of its own."""
+    for d in random_dataset.draws(seed):
+        start = (3 << 48) + (d.i << 16)  # no block shared with any other prompt
+        yield Timed(d.at, Call(f"random-{d.i}", "local", list(range(start, start + d.input_tokens)), d.output_tokens))
+
+
 # -- the registry -------------------------------------------------------------------------
 TOT = {"workload": "tot", "branching": 2, "depth": 4, "output_tokens": 64}
 
@@ -401,6 +409,10 @@ register(Workload("long-short", "A chat service (4 system prompts of 300 tokens,
                   "answers) where one request in ten is a unique 6,000-token document to summarize (300-token "
                   "answers), Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
                   ONE_REGION, "replay", calls=long_short_calls, natural_rps=lambda: 1.0))
+register(Workload("random", "The serving benchmarks' random dataset (`sglang.bench_serving --dataset-name random` at its "
+                  "defaults): prompts of 1-1,024 random tokens, nothing shared, answers of 1-1,024 tokens, uniform, "
+                  "Poisson arrivals (open loop); held out: added after the policy was settled, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=random_calls, natural_rps=lambda: 1.0))
 register(Workload("hot-shift", f"{HOT_SHIFT_APPS} apps' system prompts of {HOT_SHIFT_SYSTEM_TOKENS:,} tokens, "
                   f"Zipf-popular (1/rank), the ranking drawn again every {HOT_SHIFT_EVERY} requests (the hot app "
                   f"turns cold, a cold one hot), {HOT_SHIFT_QUESTION_TOKENS}-token questions, "

@@ -14,6 +14,7 @@ from bench.workloads.long_short import LongShort
 from bench.workloads.mixed_tree import MixedTree
 from bench.workloads.mooncake import Mooncake
 from bench.workloads.multiturn import MultiTurn
+from bench.workloads.random_dataset import RandomDataset
 from bench.workloads.reasoning import Reasoning
 from bench.workloads.servegen import ServeGen
 from bench.workloads.shared_prefix import SharedPrefix
@@ -30,6 +31,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "agent": Agent,
     "reasoning": Reasoning,
     "long-short": LongShort,
+    "random": RandomDataset,
 }
 
 

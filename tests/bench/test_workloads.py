@@ -167,7 +167,7 @@ def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
     assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent",
-                              "reasoning", "long-short"}
+                              "reasoning", "long-short", "random"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -274,6 +274,30 @@ def test_long_short_sends_what_the_simulator_sends():
     assert 60 < len(docs) < 140 and len({d.messages[0]["content"] for d in docs}) == len(docs)  # a tenth, each unique
     with pytest.raises(ValueError, match="long-short: total_rps must be > 0"):
         make_workload("long-short", total_rps=0)
+
+
+def test_random_is_the_serving_benchmarks_random_dataset_and_sends_what_the_simulator_sends():
+    """`sglang.bench_serving --dataset-name random` at its defaults: lengths uniform in [1, 1024],
+    every prompt its own, the answer's length declared, no `user`."""
+    from bench.sim.workloads_sim import random_calls
+
+    specs = list(itertools.islice(make_workload("random", seed=3, total_rps=4.0).arrivals(), 2000))
+    timed = list(itertools.islice(random_calls(3), 2000))
+    for spec, t in zip(specs, timed):
+        assert len(spec.messages[0]["content"].split()) == len(t.call.tokens) and spec.max_tokens == t.call.output_tokens
+        assert spec.at == pytest.approx(t.at / 4.0) and spec.user is None and t.call.user is None
+    inputs, outputs = [len(t.call.tokens) for t in timed], [t.call.output_tokens for t in timed]
+    assert min(inputs) >= 1 and max(inputs) == 1024 and min(outputs) >= 1 and max(outputs) == 1024
+    assert 450 < sorted(inputs)[1000] < 575 and 450 < sorted(outputs)[1000] < 575  # uniform: median ~512
+    starts = [t.call.tokens[0] for t in timed]
+    assert len(set(starts)) == len(starts)  # no prompt shares its first token (so no block) with another
+    assert len({s.messages[0]["content"][:200] for s in specs}) == len(specs)
+    assert 440 < specs[-1].at < 560  # Poisson at the asked 4 req/s
+    narrow = list(itertools.islice(make_workload("random", input_len=100, output_len=10, range_ratio=0.5).arrivals(), 300))
+    assert {len(s.messages[0]["content"].split()) for s in narrow} <= set(range(50, 101))
+    assert {s.max_tokens for s in narrow} == set(range(5, 11))
+    with pytest.raises(ValueError, match="random: range_ratio must be in"):
+        make_workload("random", range_ratio=1.5)
 
 
 @pytest.mark.parametrize("params, message", [({"total_rps": 0}, "total_rps must be > 0"),
