@@ -271,6 +271,13 @@ def prefixed_prompt(k: int, prefix_tokens: int, i: int, question_tokens: int, qu
     return [*range(prefix, prefix + prefix_tokens), *range(question, question + question_tokens)]
 
 
+def own_prompt(space: int, i: int, tokens: int) -> list[int]:
+    """Request `i`'s prompt of `tokens` ids that no other request shares a block of (`space`
+    keeps one workload's prompts apart from another's and from the shared prefixes')."""
+    start = (space << 48) + (i << 16)
+    return list(range(start, start + tokens))
+
+
 def shared_prefix_calls(seed: int) -> Iterator[Timed]:
     """Each request one of the 64 system prompts, uniformly (as the benchmark's shuffled 64 x 16
     prompts), and a question of its own."""
@@ -341,8 +348,7 @@ def long_short_calls(seed: int) -> Iterator[Timed]:
     doc_tokens, doc_answer = long_short.DOC
     for d in long_short.draws(seed):
         if d.system is None:
-            start = (2 << 48) + (d.i << 16)  # a document of its own: no block shared with any other
-            yield Timed(d.at, Call(f"doc-{d.i}", "local", list(range(start, start + doc_tokens)), doc_answer,
+            yield Timed(d.at, Call(f"doc-{d.i}", "local", own_prompt(2, d.i, doc_tokens), doc_answer,
                                    user=f"doc-{d.i % 32}"))
         else:
             yield Timed(d.at, Call(f"chat-{d.i}", "local", prefixed_prompt(d.system, system_tokens, d.i, question_tokens),
@@ -353,8 +359,7 @@ def random_calls(seed: int) -> Iterator[Timed]:
     """The live `random` workload's draws (bench/workloads/random_dataset.py says what and why) at
     its defaults, each prompt one range of token ids of its own."""
     for d in random_dataset.draws(seed):
-        start = (3 << 48) + (d.i << 16)  # no block shared with any other prompt
-        yield Timed(d.at, Call(f"random-{d.i}", "local", list(range(start, start + d.input_tokens)), d.output_tokens))
+        yield Timed(d.at, Call(f"random-{d.i}", "local", own_prompt(3, d.i, d.input_tokens), d.output_tokens))
 
 
 # -- the registry -------------------------------------------------------------------------

@@ -4,11 +4,11 @@ What `python -m sglang.bench_serving --dataset-name random` sends at its default
 `vllm bench serve --dataset-name random` with the same lengths): every prompt random tokens of
 its own, its length uniform in [`range_ratio` x `input_len`, `input_len`] (at least 1), its
 answer's likewise in [`range_ratio` x `output_len`, `output_len`], the answer's length declared
-as `max_tokens` (the tools also send `ignore_eos`) and no `user`; Poisson arrivals at `total_rps`. Nothing is
-shared, so a prefix-aware router has nothing to keep together and must balance load alone: the
-shape an operator benchmarks first, with the tool they already have. Held out: added after the
-policy was settled (fiftieth session); the simulator's `random` is the same draws
-(bench/sim/workloads_sim.py).
+as `max_tokens` (the tools also send `ignore_eos`) and no `user`; Poisson arrivals at
+`total_rps`. Nothing is shared, so a prefix-aware router has nothing to keep together and must
+balance load alone: the shape an operator benchmarks first, with the tool they already have.
+Held out: added after the policy was settled (fiftieth session); the simulator's `random` is
+the same draws (bench/sim/workloads_sim.py).
 """
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class RandomDataset:
     name: str = "random"
 
     def __post_init__(self) -> None:
+        for key in ("input_len", "output_len"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
+                raise ValueError(f"random: {key} must be a whole number (got {getattr(self, key)!r}); "
+                                 f"e.g. --param {key}={getattr(type(self), key)}")
         require_positive(self, "total_rps", "input_len", "output_len")
         if not 0.0 <= self.range_ratio <= 1.0:
             raise ValueError(f"random: range_ratio must be in [0, 1] (got {self.range_ratio!r}); e.g. --param range_ratio=0.5")

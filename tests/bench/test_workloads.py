@@ -298,6 +298,10 @@ def test_random_is_the_serving_benchmarks_random_dataset_and_sends_what_the_simu
     assert {s.max_tokens for s in narrow} == set(range(5, 11))
     with pytest.raises(ValueError, match="random: range_ratio must be in"):
         make_workload("random", range_ratio=1.5)
+    with pytest.raises(ValueError, match="random: input_len must be a whole number"):
+        make_workload("random", input_len=100.5)
+    with pytest.raises(ValueError, match="random: output_len must be > 0"):
+        make_workload("random", output_len=0)
 
 
 @pytest.mark.parametrize("params, message", [({"total_rps": 0}, "total_rps must be > 0"),
