@@ -152,6 +152,16 @@ def require_positive(workload: object, *keys: str) -> None:
                              f"e.g. --param {key}={getattr(type(workload), key)}")
 
 
+def require_whole(workload: object, *keys: str) -> None:
+    """A ValueError naming the first of a workload's `keys` that is not a whole number (a bool
+    is not one), with its default."""
+    for key in keys:
+        value = getattr(workload, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{workload.name}: {key} must be a whole number (got {value!r}); "
+                             f"e.g. --param {key}={getattr(type(workload), key)}")
+
+
 def rng_for(seed: int, *key: object) -> random.Random:
     """An independent, reproducible stream per (seed, key): stable across runs and processes."""
     return random.Random("/".join(map(str, (seed, *key))))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from bench.workloads.base import RequestSpec, pseudo_text, require_positive, rng_for
+from bench.workloads.base import RequestSpec, pseudo_text, require_positive, require_whole, rng_for
 
 
 class Draw(NamedTuple):
@@ -46,10 +46,7 @@ class RandomDataset:
     name: str = "random"
 
     def __post_init__(self) -> None:
-        for key in ("input_len", "output_len"):
-            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
-                raise ValueError(f"random: {key} must be a whole number (got {getattr(self, key)!r}); "
-                                 f"e.g. --param {key}={getattr(type(self), key)}")
+        require_whole(self, "input_len", "output_len")
         require_positive(self, "total_rps", "input_len", "output_len")
         if not 0.0 <= self.range_ratio <= 1.0:
             raise ValueError(f"random: range_ratio must be in [0, 1] (got {self.range_ratio!r}); e.g. --param range_ratio=0.5")

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from bench.workloads.base import RequestSpec, pseudo_text, require_positive, rng_for
+from bench.workloads.base import RequestSpec, pseudo_text, require_positive, require_whole, rng_for
 
 QUESTION_SIGMA, ANSWER_SIGMA = 0.8, 0.9
 MIN_QUESTION, MAX_QUESTION, MIN_ANSWER = 16, 1500, 32
@@ -43,10 +43,8 @@ class Reasoning:
     name: str = "reasoning"
 
     def __post_init__(self) -> None:
-        for key in ("system_prompts", "system_min_tokens", "system_max_tokens", "question_median", "answer_median", "context"):
-            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
-                raise ValueError(f"reasoning: {key} must be a whole number (got {getattr(self, key)!r}); "
-                                 f"e.g. --param {key}={getattr(type(self), key)}")
+        require_whole(self, "system_prompts", "system_min_tokens", "system_max_tokens", "question_median", "answer_median",
+                      "context")
         require_positive(self, "total_rps", "system_prompts", "system_min_tokens", "question_median", "answer_median")
         if self.system_max_tokens < self.system_min_tokens:
             raise ValueError("reasoning: system_max_tokens must be >= system_min_tokens "
