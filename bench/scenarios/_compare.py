@@ -373,10 +373,23 @@ def scenario_runner(compare: Callable[[bool], Compare]) -> Callable[..., dict]:
     def run(out_dir: Path, quick: bool, repeats: int | None = None, stream: bool = True,
             duration: float | None = None, systems: str | None = None, clients: int | None = None,
             lb_config: str | None = None, lb_headers: bool = True, schedule_policy: str | None = None,
-            mixed_engines: bool = False) -> dict:
-        return run_compare(with_run_options(compare(quick), repeats, stream, duration, systems, clients, lb_config,
-                                            lb_headers, schedule_policy, mixed_engines), out_dir)
+            mixed_engines: bool = False, speed: float | None = None) -> dict:
+        return run_compare(with_run_options(at_speed(compare, quick, speed), repeats, stream, duration, systems,
+                                            clients, lb_config, lb_headers, schedule_policy, mixed_engines), out_dir)
     return run
+
+
+def at_speed(compare: Callable[..., Compare], quick: bool, speed: float | None) -> Compare:
+    """The scenario at `--speed F` (None: its own). The scenario builds everything that follows
+    the speed-up from it (engines, replays and tool runs, lb's time constants, WAN latency), so
+    a slower run keeps the same experiment in engine time, with less of it in a run's seconds."""
+    if speed is None:
+        return compare(quick)
+    if not speed > 0:
+        raise SystemExit(f"--speed must be > 0 (got {speed:g}); e.g. --speed 2")
+    c = compare(quick, speed)
+    c.options.append(f"--speed {speed:g}")
+    return c
 
 
 def run_compare(c: Compare, out_dir: Path) -> dict:

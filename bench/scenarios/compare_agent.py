@@ -19,15 +19,15 @@ SPEED = 4.0
 CLIENTS = 32
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="Agent sessions, one region",
         scenario="compare-agent", quick=quick, workload="agent",
-        systems=systems(quick, regional=False), duration_s=15.0 if quick else 90.0, speed=SPEED, replicas=4,
-        clients=CLIENTS, time_scale=SPEED,
+        systems=systems(quick, regional=False), duration_s=15.0 if quick else 90.0, speed=speed, replicas=4,
+        clients=CLIENTS, time_scale=speed,
         notes=[f"{CLIENTS} clients, one agent session each at a time: a 1,500-token system prompt, a task, 4-16 steps "
                "appending the answer and a 50-1,500-token tool observation, ~1 s tool runs; 4 l4-llama3-8b "
-               f"replicas, engines and tool runs {SPEED:g}x faster"])
+               f"replicas, engines and tool runs {speed:g}x faster"])
 
 
 run = scenario_runner(compare)

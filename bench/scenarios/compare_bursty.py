@@ -38,15 +38,15 @@ def _s(fig: dict) -> str:
     return f"{fig['median']:.2f} [{fig['min']:.2f}, {fig['max']:.2f}]"
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="Bursty tenants past capacity, one region",
         scenario="compare-bursty", quick=quick, workload="servegen",
-        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=SPEED, replicas=4,
-        time_scale=SPEED, params={"total_rps": RATE_RPS, "size_scale": 0.5},
+        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=speed, replicas=4,
+        time_scale=speed, params={"total_rps": RATE_RPS, "size_scale": 0.5},
         derived_notes=tenant_notes,
         notes=[f"ServeGen's 8 busiest tenants at noon, Azure conversation sizes x0.5; {RATE_RPS:g} req/s of "
-               f"engine time ({LOAD:g}x the simulator's capacity), {SPEED:g}x faster (engines too); "
+               f"engine time ({LOAD:g}x the simulator's capacity), {speed:g}x faster (engines too); "
                "4 l4-llama3-8b replicas"])
 
 

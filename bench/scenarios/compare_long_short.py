@@ -23,15 +23,15 @@ PROFILE = "l4-llama3-8b-sglang-fcfs"
 RATE_RPS = 6.66
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="Chat beside long documents on SGLang's scheduler, one region",
         scenario="compare-long-short", quick=quick, workload="long-short",
-        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=SPEED, replicas=4,
-        profile=PROFILE, time_scale=SPEED, params={"total_rps": RATE_RPS},
+        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=speed, replicas=4,
+        profile=PROFILE, time_scale=speed, params={"total_rps": RATE_RPS},
         notes=[f"4 system prompts x 300 tokens, 100-token questions, 200-token answers; 1 request in 10 a unique "
                f"6,000-token document (300-token answers); Poisson arrivals at {RATE_RPS:g} req/s of engine time "
-               f"(~1.39x capacity), {SPEED:g}x faster (engines too); 4 {PROFILE} replicas (SGLang's scheduler as "
+               f"(~1.39x capacity), {speed:g}x faster (engines too); 4 {PROFILE} replicas (SGLang's scheduler as "
                "it ships: arrival order, a decode reservation, retractions)"])
 
 

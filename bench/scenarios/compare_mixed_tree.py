@@ -16,14 +16,14 @@ WIDE_EVERY = 4  # clients 3 and 7 grow 4-branch trees
 SPEED = 4.0
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="Mixed Tree (two 4-branch clients), one region",
         scenario="compare-mixed-tree", quick=quick, workload="mixed-tree",
-        systems=systems(quick, regional=False), duration_s=8.0 if quick else 20.0, speed=SPEED, replicas=4,
+        systems=systems(quick, regional=False), duration_s=8.0 if quick else 20.0, speed=speed, replicas=4,
         clients=CLIENTS, params={"wide_every": WIDE_EVERY, "output_tokens": 64},
         notes=[f"{CLIENTS} ToT clients, every {WIDE_EVERY}th 4-branch (two), the rest 2-branch, depth 4; "
-               f"4 l4-llama3-8b replicas at {SPEED:g}× speed; lb probe interval and affinity bounds ÷ {SPEED:g}"],
+               f"4 l4-llama3-8b replicas at {speed:g}× speed; lb probe interval and affinity bounds ÷ {speed:g}"],
         paper=[SKYWALKER])
 
 

@@ -17,13 +17,13 @@ SIZE_SCALE = 0.25
 MAX_INPUT_TOKENS = 2048
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="Mooncake conversation trace replay, one region",
         scenario="compare-mooncake", quick=quick, workload="mooncake",
-        systems=systems(quick, regional=False), duration_s=8.0 if quick else 30.0, speed=SPEED, replicas=4,
-        time_scale=SPEED, params={"size_scale": SIZE_SCALE, "max_input_tokens": MAX_INPUT_TOKENS},
-        notes=[f"Mooncake conversation trace from its start, {SPEED:g}× faster (engines too); blocks and outputs × "
+        systems=systems(quick, regional=False), duration_s=8.0 if quick else 30.0, speed=speed, replicas=4,
+        time_scale=speed, params={"size_scale": SIZE_SCALE, "max_input_tokens": MAX_INPUT_TOKENS},
+        notes=[f"Mooncake conversation trace from its start, {speed:g}× faster (engines too); blocks and outputs × "
                f"{SIZE_SCALE:g}, contexts clipped to {MAX_INPUT_TOKENS} tokens; 4 l4-llama3-8b replicas"],
         paper=[SKYWALKER])
 

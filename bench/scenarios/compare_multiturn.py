@@ -21,15 +21,15 @@ SPEED = 4.0
 REPLICAS_PER_REGION = 2
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     clients = {name: PAPER_CLIENTS // SCALE for name in ("us", "eu", "asia")}
     return Compare(
         title="Multi-turn conversations, 3 regions",
         scenario="compare-multiturn", quick=quick, workload="multiturn", systems=systems(quick, regional=True),
-        duration_s=8.0 if quick else 20.0, speed=SPEED, params={"output_tokens": 64},
-        regions=regions(clients, REPLICAS_PER_REGION), latency_ms=compressed_latency(SPEED),
+        duration_s=8.0 if quick else 20.0, speed=speed, params={"output_tokens": 64},
+        regions=regions(clients, REPLICAS_PER_REGION), latency_ms=compressed_latency(speed),
         notes=[f"clients {PAPER_CLIENTS}/region in the paper, ÷ {SCALE} here; {REPLICAS_PER_REGION} l4-llama3-8b "
-               f"replicas per region at {SPEED:g}× speed; probe interval and WAN latency ÷ {SPEED:g}"],
+               f"replicas per region at {speed:g}× speed; probe interval and WAN latency ÷ {speed:g}"],
         paper=[SKYWALKER])
 
 

@@ -19,14 +19,14 @@ SPEED = 2.0
 RATE_RPS = 2.66
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="The serving benchmarks' random dataset, one region",
         scenario="compare-random", quick=quick, workload="random",
-        systems=systems(quick, regional=False), duration_s=30.0 if quick else 90.0, speed=SPEED, replicas=4,
-        time_scale=SPEED, params={"total_rps": RATE_RPS},
+        systems=systems(quick, regional=False), duration_s=30.0 if quick else 90.0, speed=speed, replicas=4,
+        time_scale=speed, params={"total_rps": RATE_RPS},
         notes=[f"unique prompts of 1-1,024 tokens, answers of 1-1,024 (uniform), no user; Poisson arrivals at "
-               f"{RATE_RPS:g} req/s of engine time (~0.9x capacity), {SPEED:g}x faster (engines too); "
+               f"{RATE_RPS:g} req/s of engine time (~0.9x capacity), {speed:g}x faster (engines too); "
                "4 l4-llama3-8b replicas"])
 
 

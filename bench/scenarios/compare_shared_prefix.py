@@ -20,14 +20,14 @@ SPEED = 4.0
 RATE_RPS = 3.564
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     return Compare(
         title="SGLang's shared-prefix benchmark, one region",
         scenario="compare-shared-prefix", quick=quick, workload="shared-prefix",
-        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=SPEED, replicas=4,
-        time_scale=SPEED, params={"total_rps": RATE_RPS},
+        systems=systems(quick, regional=False), duration_s=10.0 if quick else 60.0, speed=speed, replicas=4,
+        time_scale=speed, params={"total_rps": RATE_RPS},
         notes=[f"64 system prompts x 2,048 tokens, 128-token questions, 256-token answers; Poisson arrivals at "
-               f"{RATE_RPS:g} req/s of engine time (~1.04x capacity), {SPEED:g}x faster (engines too); "
+               f"{RATE_RPS:g} req/s of engine time (~1.04x capacity), {speed:g}x faster (engines too); "
                "4 l4-llama3-8b replicas"])
 
 

@@ -26,16 +26,16 @@ SPEED = 2.0
 SKYWALKER_SP = "SkyWalker SP-P vs BP: 1.27× throughput, 18.47× lower P90 TTFT, KV hit 89.9% vs 68.9%"
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     modes = ("sp-pending", "blind") if quick else ("sp-pending", "sp-outstanding", "blind")
     ours = [lb(pushing=m, config={"pushing": {"max_outstanding": SP_O_MAX_OUTSTANDING}}) for m in modes]
     return Compare(
         title="Selective pushing microbenchmark (ToT, one region)",
         scenario="compare-sp-micro", quick=quick, workload="tot",
-        systems=ours + (QUICK_PEERS[:1] if quick else PEERS), duration_s=8.0 if quick else 20.0, speed=SPEED,
+        systems=ours + (QUICK_PEERS[:1] if quick else PEERS), duration_s=8.0 if quick else 20.0, speed=speed,
         replicas=4, clients=CLIENTS, params={"output_tokens": 64},
-        notes=[f"{CLIENTS} ToT clients (2-branch, depth 4), 4 l4-llama3-8b replicas at {SPEED:g}× speed, lb policy "
-               f"{DEFAULT_POLICY}, sp-outstanding max {SP_O_MAX_OUTSTANDING}; lb probe interval and affinity bounds ÷ {SPEED:g}"],
+        notes=[f"{CLIENTS} ToT clients (2-branch, depth 4), 4 l4-llama3-8b replicas at {speed:g}× speed, lb policy "
+               f"{DEFAULT_POLICY}, sp-outstanding max {SP_O_MAX_OUTSTANDING}; lb probe interval and affinity bounds ÷ {speed:g}"],
         paper=[SKYWALKER_SP], derived_notes=sp_vs_bp)
 
 

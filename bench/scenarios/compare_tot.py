@@ -27,16 +27,16 @@ SPEED = 2.0
 REPLICAS_PER_REGION = 2
 
 
-def compare(quick: bool) -> Compare:
+def compare(quick: bool, speed: float = SPEED) -> Compare:
     clients = {name: n // SCALE for name, n in PAPER_CLIENTS.items()}
     return Compare(
         title="Tree of Thoughts (2-branch), 3 regions",
         scenario="compare-tot", quick=quick, workload="tot", systems=systems(quick, regional=True),
-        duration_s=10.0 if quick else 30.0, speed=SPEED, params={"branching": 2, "output_tokens": 64},
-        regions=regions(clients, REPLICAS_PER_REGION), latency_ms=compressed_latency(SPEED),
+        duration_s=10.0 if quick else 30.0, speed=speed, params={"branching": 2, "output_tokens": 64},
+        regions=regions(clients, REPLICAS_PER_REGION), latency_ms=compressed_latency(speed),
         notes=[f"clients us/eu/asia {'/'.join(map(str, PAPER_CLIENTS.values()))} in the paper, ÷ {SCALE} here; "
-               f"{REPLICAS_PER_REGION} l4-llama3-8b replicas per region at {SPEED:g}× speed; probe interval, "
-               f"affinity bounds and WAN latency ÷ {SPEED:g}"],
+               f"{REPLICAS_PER_REGION} l4-llama3-8b replicas per region at {speed:g}× speed; probe interval, "
+               f"affinity bounds and WAN latency ÷ {speed:g}"],
         paper=[SKYWALKER])
 
 

@@ -76,6 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-engines", action="store_true",
                         help="compare-* scenarios in one region: every second replica on SGLang's scheduler, the "
                              "rest on the scenario's (a fleet of vLLM and SGLang replicas side by side)")
+    parser.add_argument("--speed", type=float, metavar="F",
+                        help="compare-* scenarios: engines (and replays, tool runs, lb's time constants, WAN latency) "
+                             "F× faster instead of the scenario's own speed-up; lower it where the machine's cores "
+                             "are short (each ms an emulator waits for a core counts F× in engine time)")
     parser.add_argument("--lb-config", metavar="FILE",
                         help="compare-* scenarios: also run lb with this daemon config file as the system 'lb config' "
                              "(its durations in engine time, scaled by the scenario's speed-up like lb's defaults)")
@@ -135,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"scenario {args.name} does not take --systems", file=sys.stderr)
             return 2
         extra["systems"] = args.systems
-    for option, key in (("clients", "clients"), ("lb_config", "lb_config"), ("schedule_policy", "schedule_policy")):
+    for option, key in (("clients", "clients"), ("lb_config", "lb_config"), ("schedule_policy", "schedule_policy"),
+                        ("speed", "speed")):
         if getattr(args, option, None) is not None:
             if key not in inspect.signature(module.run).parameters:
                 print(f"scenario {args.name} does not take --{option.replace('_', '-')}", file=sys.stderr)

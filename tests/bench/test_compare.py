@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 
 import pytest
@@ -291,3 +292,36 @@ def test_mixed_engines_run_every_second_replica_on_sglangs_scheduler(tmp_path):
     logs = sorted((tmp_path / "logs").rglob("emu*.log"))
     started = [next(line for line in p.read_text().splitlines() if "listening" in line) for p in logs]
     assert ["profile=tiny-sglang " in s for s in started] == [False, True], started
+
+
+def test_every_comparison_runs_at_the_speed_asked_for_with_all_its_time_constants_alike(capsys):
+    """`--speed F`: a scenario builds its engines, replays, tool runs, lb's time constants and
+    WAN latency from F, not its own speed-up (a small machine runs Mixed Tree at 2x, not 4x),
+    and its report's notes and command line say F. A scenario without a speed-up refuses it."""
+    import argparse
+    import importlib
+
+    from bench.scenarios import compare_agent, compare_tot
+    from bench.scenarios._compare import PAPER_LATENCY_MS, at_speed
+    from bench.scenarios.runner import configure, run, scenario_names
+
+    for name in [n for n in scenario_names() if n.startswith("compare-")]:
+        module = importlib.import_module(f"bench.scenarios.{name.replace('-', '_')}")
+        own, other = at_speed(module.compare, False, None), at_speed(module.compare, False, 3.0)
+        assert own.speed == module.SPEED and other.speed == 3.0 and other.options == ["--speed 3"], name
+        assert other.time_scale == (3.0 if own.time_scale == own.speed else own.time_scale), name  # replays follow
+        said = " ".join(other.notes)
+        factors = set(re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)[×x] (?:speed|faster)", said))
+        assert factors == {"3"}, (name, said)
+    tot = at_speed(compare_tot.compare, False, 1.0)
+    assert tot.latency_ms == PAPER_LATENCY_MS and "1× speed" in tot.notes[0]
+    assert at_speed(compare_tot.compare, False, None).latency_ms["us-eu"] == 40 / compare_tot.SPEED
+    agent = at_speed(compare_agent.compare, False, 2.0)
+    assert (agent.speed, agent.time_scale) == (2.0, 2.0) and "tool runs 2x faster" in agent.notes[0]
+    with pytest.raises(SystemExit, match=r"--speed must be > 0 \(got 0\); e.g. --speed 2"):
+        at_speed(compare_tot.compare, False, 0.0)
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert run(parser.parse_args(["overhead", "--speed", "2"])) == 2
+    assert "scenario overhead does not take --speed" in capsys.readouterr().err
