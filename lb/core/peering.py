@@ -21,7 +21,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from lb.core.backlog import forward_cost, land_on_least, parse_advert, remote_ttft
 from lb.core.policies import ConsistentHash, load, pick_best, prefix_trie
@@ -369,18 +369,24 @@ def local_or_peer(req: RequestFacts, *, local_available: bool, peers: Sequence[t
         return PeerDecision("local")
     if req.hops >= 1:  # forwarded to us: our replicas only
         return PeerDecision("wait")
+    available = ((pc, st) for pc, st in peers
+                 if st.region not in exclude and st.serves(req.model)
+                 and peer_available(st, req.model, tau=tau, now=now, stale_s=stale_s))
+    return _routed(req, available, router, now, otherwise="wait")
+
+
+def _routed(req: RequestFacts, passing: Iterable[tuple[PeerConfig, PeerStatus]], router: PeerRouter,
+            now: float, *, otherwise: str) -> PeerDecision:
+    """The router's pick among the peers that passed a caller's tests and whose residency rules
+    allow the request (those they rule out are reported); `otherwise` where none is left."""
     candidates, blocked = [], []
-    for pc, st in peers:
-        if st.region in exclude or not st.serves(req.model):
-            continue
-        if not peer_available(st, req.model, tau=tau, now=now, stale_s=stale_s):
-            continue
-        if not residency_allows(req.residency, pc.allowed_residency):
+    for pc, st in passing:
+        if residency_allows(req.residency, pc.allowed_residency):
+            candidates.append(st)
+        else:
             blocked.append(pc.region)
-            continue
-        candidates.append(st)
     region = router.choose(req, candidates, now)
-    return PeerDecision("peer" if region else "wait", region, tuple(blocked))
+    return PeerDecision("peer" if region else otherwise, region, tuple(blocked))
 
 
 def holder_peer(req: RequestFacts, region: str, *, peers: Sequence[tuple[PeerConfig, PeerStatus]],
@@ -431,22 +437,16 @@ def predicted_peer(req: RequestFacts, *, local_ttft: float, local_error: float,
     if req.hops >= 1:
         return PeerDecision("local")
     tokens = max(1, req.prompt_tokens)
-    candidates, blocked = [], []
-    for pc, st in open_peers(req, peers, tau=tau, now=now, stale_s=stale_s, exclude=exclude):
+
+    def faster(st: PeerStatus) -> bool:
         if st.rtt_s is None:
-            continue
+            return False
         remote = st.predict_ttft(req.model, remote_tokens.get(st.region, tokens) if remote_tokens else tokens)
-        if remote is None:
-            continue
-        ttft, error = remote
-        if forward_cost(st.rtt_s, ttft, local_error, error) + margin_s >= local_ttft:
-            continue
-        if not residency_allows(req.residency, pc.allowed_residency):
-            blocked.append(pc.region)
-            continue
-        candidates.append(st)
-    region = router.choose(req, candidates, now)
-    return PeerDecision("peer" if region else "local", region, tuple(blocked))
+        return remote is not None and forward_cost(st.rtt_s, remote[0], local_error, remote[1]) + margin_s < local_ttft
+
+    winners = ((pc, st) for pc, st in open_peers(req, peers, tau=tau, now=now, stale_s=stale_s, exclude=exclude)
+               if faster(st))
+    return _routed(req, winners, router, now, otherwise="local")
 
 
 def may_lighten(local_load: float, share: float) -> bool:
