@@ -423,7 +423,7 @@ def run_compare(c: Compare, out_dir: Path) -> dict:
             runs.setdefault(system.name, []).append(result)
             warning = saturation_warning(m, f"[{system.name} run {k + 1}] ")
             if warning:
-                warnings.append(warning)
+                warnings.append(warning + slower_hint(c.speed))
             if m["foreign_cores"] > FOREIGN_CORES_WARN:
                 warnings.append(f"[{system.name} run {k + 1}] other work took {m['foreign_cores']:.2f} cores "
                                 f"(> {FOREIGN_CORES_WARN}) while it ran (the machine {m['host_cores_busy']:.2f} of "
@@ -455,6 +455,15 @@ def run_compare(c: Compare, out_dir: Path) -> dict:
     (out_dir / "report.md").write_text(report_md.scenario_markdown(summary, plots={"TTFT CDF": "ttft_cdf.png",
                                                                                    "throughput": "throughput.png"}))
     return summary
+
+
+def slower_hint(speed: float) -> str:
+    """What a run that kept the machine's cores busy can do about it: every millisecond an
+    emulator waits for a core counts `speed` times in engine time, so a slower run measures
+    the same experiment with cores to spare."""
+    if speed <= 1:
+        return ""
+    return f"; run it slower to see past the CPU: --speed {max(1.0, speed / 2):g} (the same engine time)"
 
 
 def _fmt(fig: dict, scale: float = 1.0) -> str:

@@ -302,7 +302,7 @@ def test_every_comparison_runs_at_the_speed_asked_for_with_all_its_time_constant
     import importlib
 
     from bench.scenarios import compare_agent, compare_tot
-    from bench.scenarios._compare import PAPER_LATENCY_MS, at_speed
+    from bench.scenarios._compare import PAPER_LATENCY_MS, at_speed, slower_hint
     from bench.scenarios.runner import configure, run, scenario_names
 
     for name in [n for n in scenario_names() if n.startswith("compare-")]:
@@ -313,6 +313,8 @@ def test_every_comparison_runs_at_the_speed_asked_for_with_all_its_time_constant
         said = " ".join(other.notes)
         factors = set(re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)[×x] (?:speed|faster)", said))
         assert factors == {"3"}, (name, said)
+    assert slower_hint(4.0).endswith("--speed 2 (the same engine time)") and slower_hint(1.5).endswith("--speed 1 (the same engine time)")
+    assert slower_hint(1.0) == ""  # real time: nothing to slow
     tot = at_speed(compare_tot.compare, False, 1.0)
     assert tot.latency_ms == PAPER_LATENCY_MS and "1× speed" in tot.notes[0]
     assert at_speed(compare_tot.compare, False, None).latency_ms["us-eu"] == 40 / compare_tot.SPEED
