@@ -61,6 +61,14 @@ MAX_TRACKED = 65_536
 # 0.1 / 0.2): 557 / 618 / 732 at 0.5x, 936 / 1,021 / 1,051 at 0.9x, level at 1.3x; 0.2 would
 # win only ToT's first 40 s from an empty fleet (21.7 against 19.4 req/s).
 DEFAULT_OTHERS_WEIGHT = 0.05
+# One answer may raise a replica's learned inter-token time at most this many times over. A
+# replica that stalled once (a pause of the host, of its process, of the network) gave one answer
+# a decode pace many times its real one; at low load the policy then sent nothing more there, so
+# nothing corrected it: with sequential requests over a 4x faster and a 4x slower emulator the
+# slow one took 17 of 24 after one such answer on the fast one (the tests' machine busy). A real
+# slowdown still shows within a few answers (each may add up to 3x the rate, at DEFAULT_ALPHA
+# +30 % an answer); a faster pace is taken as it comes.
+MAX_STEP_RISE = 4.0
 # Uncached prefill of the latest pushes kept per target; more than SP-P's unseen cap (64).
 MAX_UNSEEN_TRACKED = 128
 # A TTFT teaches the prefill ratio only if the prediction counted some work for it. A fully
@@ -86,6 +94,11 @@ class Rates:
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else old + alpha * (sample - old)
+
+
+def _step_ewma(old: float | None, sample: float, alpha: float) -> float:
+    """A replica's inter-token time after one more answer, one answer's rise bounded (MAX_STEP_RISE)."""
+    return _ewma(old, sample if old is None else min(sample, MAX_STEP_RISE * old), alpha)
 
 
 class TtftModel:
@@ -164,13 +177,13 @@ class TtftModel:
             if e2e_s is not None and e2e_s > 0 and output_tokens >= 1 and placed is not None and placed[0] == target_id:
                 r = self.rates.setdefault(target_id, Rates())
                 sample = e2e_s / (output_tokens + self.prefill_ratio() * placed[1])
-                r.whole_step_s = _ewma(r.whole_step_s, sample, self.alpha)
+                r.whole_step_s = _step_ewma(r.whole_step_s, sample, self.alpha)
             return
         if ttft_s < 0:
             return
         r = self.rates.setdefault(target_id, Rates())
         if e2e_s is not None and output_tokens >= 2 and e2e_s > ttft_s:
-            r.step_s = _ewma(r.step_s, (e2e_s - ttft_s) / (output_tokens - 1), self.alpha)
+            r.step_s = _step_ewma(r.step_s, (e2e_s - ttft_s) / (output_tokens - 1), self.alpha)
         if placed is not None and placed[0] == target_id and r.step_s and placed[1] >= MIN_WORK_TOKENS:
             self._excess_steps = _ewma(self._excess_steps, max(0.0, ttft_s - r.step_s) / r.step_s, self.alpha)
             self._work_tokens = _ewma(self._work_tokens, placed[1], self.alpha)

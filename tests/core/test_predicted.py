@@ -28,6 +28,29 @@ def test_slower_replica_is_predicted_slower_from_its_inter_token_times():
     assert abs(m.prefill_ratio() - 4.0 / 500) < 1e-3
 
 
+def test_one_stalled_answer_does_not_hand_a_fast_replica_s_traffic_to_a_slower_one():
+    """At low load the policy sends nothing to a replica it predicts slower, so nothing would
+    correct one answer that stalled there: that answer raises its step at most MAX_STEP_RISE
+    times over, and the fast one stays first. A slowdown that lasts still shows."""
+    from lb.core.predicted import DEFAULT_ALPHA
+    m = TtftModel(alpha=DEFAULT_ALPHA)
+    vs = views(2)
+    for i in range(10):
+        m.placed(f"f{i}", "r0", 100.0)
+        m.served(f"f{i}", "r0", 0.02, 0.02 + 11 * 0.007, 12)  # 7 ms a token
+        m.placed(f"s{i}", "r1", 100.0)
+        m.served(f"s{i}", "r1", 0.06, 0.06 + 11 * 0.028, 12)  # 4x slower
+    m.placed("stall", "r0", 100.0)
+    m.served("stall", "r0", 0.02, 0.02 + 3.0, 12)  # a 3 s pause inside one answer: 273 ms a token
+    fast, slow = m.predict(vs, [100.0] * 2, [100.0] * 2)
+    assert fast < slow, (fast, slow)  # unbounded, that answer alone made r0 the slower (34 against 28 ms)
+    for i in range(12):  # r0 really slowed down to 60 ms a token
+        m.placed(f"late{i}", "r0", 100.0)
+        m.served(f"late{i}", "r0", 0.1, 0.1 + 11 * 0.06, 12)
+    fast, slow = m.predict(vs, [100.0] * 2, [100.0] * 2)
+    assert fast > slow, (fast, slow)
+
+
 def test_holder_of_the_prefix_wins_until_unseen_pushes_outweigh_the_prefill_it_saves():
     policy = make_policy("predicted-ttft", seed=1)
     shared = prompt(("doc", 16))
