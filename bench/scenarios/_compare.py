@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import threading
 import time
@@ -385,8 +386,8 @@ def at_speed(compare: Callable[..., Compare], quick: bool, speed: float | None) 
     a slower run keeps the same experiment in engine time, with less of it in a run's seconds."""
     if speed is None:
         return compare(quick)
-    if not speed > 0:
-        raise SystemExit(f"--speed must be > 0 (got {speed:g}); e.g. --speed 2")
+    if not (speed > 0 and math.isfinite(speed)):
+        raise SystemExit(f"--speed must be a finite number > 0 (got {speed:g}); e.g. --speed 2")
     c = compare(quick, speed)
     c.options.append(f"--speed {speed:g}")
     return c

@@ -320,8 +320,9 @@ def test_every_comparison_runs_at_the_speed_asked_for_with_all_its_time_constant
     assert at_speed(compare_tot.compare, False, None).latency_ms["us-eu"] == 40 / compare_tot.SPEED
     agent = at_speed(compare_agent.compare, False, 2.0)
     assert (agent.speed, agent.time_scale) == (2.0, 2.0) and "tool runs 2x faster" in agent.notes[0]
-    with pytest.raises(SystemExit, match=r"--speed must be > 0 \(got 0\); e.g. --speed 2"):
-        at_speed(compare_tot.compare, False, 0.0)
+    for bad in (0.0, -2.0, float("inf"), float("nan")):
+        with pytest.raises(SystemExit, match=r"--speed must be a finite number > 0 \(got .*\); e.g. --speed 2"):
+            at_speed(compare_tot.compare, False, bad)
 
     parser = argparse.ArgumentParser()
     configure(parser)

@@ -13,14 +13,20 @@ def teach(policy, target: str, rid: str, ttft: float, e2e: float, out: int, text
     policy.served(r, target, ttft, e2e, out, now=0.0)
 
 
+def answers(m: TtftModel, target: str, n: int, *, ttft: float, step: float, out: int, work: float) -> None:
+    """`n` answers of `out` tokens from `target`, each placed with `work` tokens of prefill."""
+    for i in range(n):
+        rid = f"{target}-{ttft}-{step}-{i}"
+        m.placed(rid, target, work)
+        m.served(rid, target, ttft, ttft + (out - 1) * step, out)
+
+
 def test_slower_replica_is_predicted_slower_from_its_inter_token_times():
     m = TtftModel(alpha=0.5)
     vs = views(3)
-    for i in range(10):
-        m.placed(f"a{i}", "r0", 500.0)
-        m.served(f"a{i}", "r0", 0.1, 0.1 + 99 * 0.02, 100)  # 20 ms a token
-        m.placed(f"b{i}", "r1", 500.0)
-        m.served(f"b{i}", "r1", 0.2, 0.2 + 99 * 0.04, 100)  # 2x slower
+    for _ in range(10):
+        answers(m, "r0", 1, ttft=0.1, step=0.02, out=100, work=500.0)  # 20 ms a token
+        answers(m, "r1", 1, ttft=0.2, step=0.04, out=100, work=500.0)  # 2x slower
     fast, slow, new = m.predict(vs, [500.0] * 3, [500.0] * 3)
     assert slow > 1.9 * fast  # same work, twice the step
     assert fast < new < slow  # a replica with no samples is assumed typical (the median)
@@ -35,18 +41,13 @@ def test_one_stalled_answer_does_not_hand_a_fast_replica_s_traffic_to_a_slower_o
     from lb.core.predicted import DEFAULT_ALPHA
     m = TtftModel(alpha=DEFAULT_ALPHA)
     vs = views(2)
-    for i in range(10):
-        m.placed(f"f{i}", "r0", 100.0)
-        m.served(f"f{i}", "r0", 0.02, 0.02 + 11 * 0.007, 12)  # 7 ms a token
-        m.placed(f"s{i}", "r1", 100.0)
-        m.served(f"s{i}", "r1", 0.06, 0.06 + 11 * 0.028, 12)  # 4x slower
-    m.placed("stall", "r0", 100.0)
-    m.served("stall", "r0", 0.02, 0.02 + 3.0, 12)  # a 3 s pause inside one answer: 273 ms a token
+    for _ in range(10):
+        answers(m, "r0", 1, ttft=0.02, step=0.007, out=12, work=100.0)  # 7 ms a token
+        answers(m, "r1", 1, ttft=0.06, step=0.028, out=12, work=100.0)  # 4x slower
+    answers(m, "r0", 1, ttft=0.02, step=3.0 / 11, out=12, work=100.0)  # a 3 s pause inside one answer
     fast, slow = m.predict(vs, [100.0] * 2, [100.0] * 2)
-    assert fast < slow, (fast, slow)  # unbounded, that answer alone made r0 the slower (34 against 28 ms)
-    for i in range(12):  # r0 really slowed down to 60 ms a token
-        m.placed(f"late{i}", "r0", 100.0)
-        m.served(f"late{i}", "r0", 0.1, 0.1 + 11 * 0.06, 12)
+    assert fast < slow, (fast, slow)  # unbounded, that answer alone put r0's step at 34 ms against r1's 28
+    answers(m, "r0", 12, ttft=0.1, step=0.06, out=12, work=100.0)  # r0 really slowed down to 60 ms a token
     fast, slow = m.predict(vs, [100.0] * 2, [100.0] * 2)
     assert fast > slow, (fast, slow)
 
