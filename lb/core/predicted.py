@@ -274,8 +274,10 @@ class PredictedTtftScorer(TrieMemory):  # a scorer part of lb.core.policies.Comp
                output_tokens: int, now: float) -> None:
         self.model.served(req.request_id, target_id, ttft_s, e2e_s, output_tokens)
 
-    def decode_step_s(self) -> float | None:
-        return self.model.typical_step()
+    def decode_step_s(self, target_id: str | None = None) -> float | None:
+        rates = self.model.rates.get(target_id) if target_id is not None else None
+        step = rates.step() if rates is not None else None
+        return step if step is not None else self.model.typical_step()
 
     def prefill_token_s(self) -> float | None:
         step = self.model.typical_step()

@@ -399,7 +399,7 @@ class TrieMemory:
         more of its prefixes than fit there."""
         self.trie.bound(target_id, int(kv_tokens * bytes_per_token) // self.block_chars)
 
-    def decode_step_s(self) -> float | None:
+    def decode_step_s(self, target_id: str | None = None) -> float | None:
         """A trie learns no rates (`lb.core.predicted` does)."""
         return None
 

@@ -71,6 +71,7 @@ from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
 from lb.core.breaker import Breaker
 from lb.core.continuations import declares, recognized_continuation
+from lb.core.decoding import Decoding
 from lb.core.leases import DEFAULT_LEASE_S, KvLeases
 from lb.core.length_model import LengthModel
 from lb.core.peering import (DEFAULT_TAU, LIGHTER_SHARE, PeerConfig, PeerDecision, PeerRouter, PeerStatus,
@@ -312,6 +313,7 @@ class Scheduler:
         self._waiting_tokens: dict[str, int] = {}  # model → their prompt tokens
         self.queued_work = QueuedWork()  # their tokens as admission counts them (lb.core.admission)
         self.backlog = Backlog()  # prefill ahead per target, and the TTFT it predicts
+        self.decoding = Decoding()  # the KV the answers under way hold per target: not cache
 
     def reconfigure(self, cfg: SchedulerConfig) -> None:
         """New limits (a config reload); the queue, its order and the policy stay."""
@@ -396,10 +398,12 @@ class Scheduler:
         """A placed request's first token came back: its prefill no longer waits ahead of
         anyone, and its TTFT teaches the prediction (`lb.core.backlog`)."""
         self.backlog.first_token(request_id, now)
+        self.decoding.first_token(request_id, now)
 
     def ended(self, request_id: str) -> None:
         """A placed request ended (answered, failed, cancelled): nothing of it is ahead now."""
         self.backlog.ended(request_id)
+        self.decoding.ended(request_id)
         self.leases.ended(request_id)
 
     def wants_first_tokens(self, target_id: str) -> bool:
@@ -449,6 +453,7 @@ class Scheduler:
     def forget(self, target_id: str) -> None:
         self.policy.forget(target_id)
         self.backlog.forget(target_id)
+        self.decoding.forget(target_id)
         self.leases.forget(target_id)
 
     def refresh_leases(self, views: Iterable[ReplicaView], now: float) -> None:
@@ -747,14 +752,34 @@ class Scheduler:
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now,
                                 expires_at=now + predicted)
         memory = self.affinity.memory
-        if memory is not None and target.view.kv_total_tokens:
-            memory.cache_size(target.view.id, target.view.kv_total_tokens, self.bytes_per_token.value())
+        if memory is not None:
+            tid = target.view.id
+            self.decoding.placed(facts.request_id, tid, self._answer_tokens(facts),
+                                 None if facts.stream else now + (predicted or 0.0))
+            room = self.cache_room(target.view, now)
+            if room is not None:  # the trie remembers what its cache has room for
+                memory.cache_size(tid, room, self.bytes_per_token.value())
         self.policy.observe(facts, target.view.id, now)
         d = self.policy.last
         if memory is not None:  # an answer it continues there is spent: its siblings find it no more
             memory.answer_after(facts, target.view.id, d.matched_blocks, take=True)
         return Placement(entry, Kind.REPLICA, target, target.view.id, d.reason, now - entry.enqueued_at,
                          d.matched_blocks, d.total_blocks, d.best_blocks)
+
+    def cache_room(self, view: ReplicaView, now: float) -> int | None:
+        """The KV tokens `view`'s engine has for its prefix cache, its answers under way taken out
+        (`lb.core.decoding`); None where its KV size is unknown or no trie remembers prefixes."""
+        memory = self.affinity.memory
+        if memory is None or not view.kv_total_tokens:
+            return None
+        return self.decoding.cache_room(view.id, view.kv_total_tokens, now, memory.decode_step_s(view.id))
+
+    def _answer_tokens(self, facts: RequestFacts) -> float:
+        """The answer length a push is expected to decode: its max_tokens, else the lengths learned."""
+        if facts.max_tokens is not None:
+            return facts.max_tokens
+        lengths = self.affinity.lengths
+        return lengths.expected(facts) if lengths is not None else self.cfg.decode_reserve
 
     def _live(self, entry: QueueEntry, targets: list) -> set[str]:
         """The healthy local targets that could serve `entry`, free or busy (where its prefix may be)."""

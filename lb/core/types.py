@@ -176,8 +176,9 @@ class PrefixMemory(Protocol):
         """Tokens of an answer the target gave where `req`'s `depth`-block match there ends (0:
         none, or another request claimed it); `claim` makes an unclaimed one `req`'s, `take` spends it."""
 
-    def decode_step_s(self) -> float | None:
-        """The fleet's typical inter-token time as learned from its answers (None: not learned)."""
+    def decode_step_s(self, target_id: str | None = None) -> float | None:
+        """The inter-token time learned from the answers of `target_id` (None: the fleet's
+        typical one), or None where nothing is learned."""
 
     def prefill_token_s(self) -> float | None:
         """The prefill time of a token the policy's own model puts on a typical replica (None:

@@ -269,6 +269,9 @@ def build_app(cfg: Config) -> web.Application:
                 "draining": v.draining, "pending": v.pending, "running": v.running, "outstanding": v.outstanding,
                 "kv_usage": v.kv_usage, "kv_free_tokens": v.kv_free_tokens, "kv_total_tokens": v.kv_total_tokens,
                 "reports_pending": v.reports_pending,
+                # of that KV, what the prefix trie takes its cache to have: the KV less the answers
+                # this LB has under way there (lb.core.decoding); None: no KV size, or no trie
+                "cache_room_tokens": lb.dispatcher.scheduler.cache_room(v, time.monotonic()),
                 # the first tokens its engine counts (vLLM's TTFT histogram): when a push answered
                 # whole has finished its prefill (lb.core.backlog); None where it does not say
                 "first_tokens": v.engine_first_tokens,
