@@ -12,9 +12,8 @@ Seen in the simulator (held-out `hot-shift` on SGLang's engines at 1.1x capacity
 while another's did, each because the trie still believed it held it; the engines' caches held
 24-30k of their 32.8k tokens of KV (10th-90th percentile), the running requests' answers the
 rest. Bounded by what the engines really held, 44 such placements were left and the fleet
-served 12.55 req/s against 12.22; bounded by this estimate, 12.45, its TTFT p90 (the requests still
-waiting counted) 10.6 s against
-14.1 (5 seeds; docs/results.md).
+served 12.55 req/s against 12.22; bounded by this estimate, 12.45, its TTFT p90 (the requests
+still waiting counted) 10.6 s against 14.1 (5 seeds; docs/results.md).
 
 The estimate: each answer under way has decoded one token per engine step since its first
 token (a request answered whole: since its predicted first token), at most its expected
