@@ -4,7 +4,8 @@ One task (`Driver.run`) drives the engine: it sleeps until the engine's next eve
 ticks while idle), runs a step, sleeps that step's duration divided by `--speed`, and hands
 every stream its token of the step at once. Handlers only wait on their stream's event and
 write SSE. A client that disconnects aborts its request inside the engine (its KV is freed),
-as a real engine's abort does.
+as a real engine's abort does. A request for `n` answers (parallel sampling) runs as n engine
+requests, one stream each, as SGLang and vLLM fan it out.
 
 Faces: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models` and
 `/v1/models/{id}`, `/v1/embeddings`, `/v1/audio/transcriptions|translations`), vLLM's
@@ -72,16 +73,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 class Stream:
-    """What one request's handler waits on: tokens so far, and how it ended."""
+    """What one request's handler waits on: tokens so far, and how it ended. The samples of
+    one request (`n`) share `event`, so their handler wakes when any of them moves."""
 
     __slots__ = ("rid", "prompt_len", "tokens", "finished", "_event")
 
-    def __init__(self, rid: str, prompt_len: int):
+    def __init__(self, rid: str, prompt_len: int, event: asyncio.Event | None = None):
         self.rid = rid
         self.prompt_len = prompt_len
         self.tokens: list[int] = []
         self.finished: Finished | None = None
-        self._event = asyncio.Event()
+        self._event = event if event is not None else asyncio.Event()
 
     def notify(self) -> None:
         self._event.set()
@@ -89,6 +91,12 @@ class Stream:
     async def wait(self) -> None:
         await self._event.wait()
         self._event.clear()
+
+
+async def until_finished(streams: list[Stream]) -> None:
+    """Wait for every sample of one request (they share one event)."""
+    while any(s.finished is None for s in streams):
+        await streams[0].wait()
 
 
 MAX_LAG_S = 0.5  # wall seconds the driver may run behind its engine timeline before resyncing
@@ -108,16 +116,26 @@ class Driver:
     def now(self) -> float:
         return (time.monotonic() - self._t0) * self.speed
 
-    def submit(self, g: GenRequest, max_new: int) -> Stream:
-        if g.rid in self.streams:
-            raise ApiError(400, f"Duplicate request id {g.rid!r}.", "rid")
+    def submit(self, g: GenRequest, max_new: int) -> list[Stream]:
+        """One engine request, and stream, per sample (`g.n`). SGLang first sends a
+        prefill-only request to cache the shared prompt; none is needed here: the samples
+        arrive in the same step, and the engine computes a prompt shared by requests
+        scheduled in one step once (`Engine._shareable`), as vLLM's prefix caching does."""
+        ids = g.sample_ids()
+        taken = next((rid for rid in ids if rid in self.streams), None)
+        if taken is not None:
+            raise ApiError(400, f"Duplicate request id {taken!r}.", "rid")
         now = self.now()
-        self.engine.submit(EngineRequest(g.rid, g.prompt_ids, max_new, g.ignore_eos,
-                                         g.priority, now, sample_key=g.sample_key,
-                                         min_new_tokens=g.min_new_tokens), now)
-        stream = self.streams[g.rid] = Stream(g.rid, len(g.prompt_ids))
+        event = asyncio.Event()
+        streams = []
+        for i, rid in enumerate(ids):
+            self.engine.submit(EngineRequest(rid, g.prompt_ids, max_new, g.ignore_eos,
+                                             g.priority, now, sample_key=g.sample_key_of(i),
+                                             min_new_tokens=g.min_new_tokens), now)
+            stream = self.streams[rid] = Stream(rid, len(g.prompt_ids), event)
+            streams.append(stream)
         self._wake.set()
-        return stream
+        return streams
 
     def abort(self, rid: str) -> bool:
         stream = self.streams.pop(rid, None)
@@ -128,6 +146,12 @@ class Driver:
             stream.finished = Finished(rid, "abort", stream.prompt_len, 0, len(stream.tokens))
             stream.notify()
         return True
+
+    def abort_unfinished(self, streams: list[Stream]) -> None:
+        """Free the KV of every sample still running (its client went away)."""
+        for stream in streams:
+            if stream.finished is None:
+                self.abort(stream.rid)
 
     def gen_throughput(self) -> float:
         """Output tokens per engine second over the last 5 engine seconds."""
@@ -195,7 +219,7 @@ class Emulator:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def _admit(self, g: GenRequest) -> Stream:
+    def _admit(self, g: GenRequest) -> list[Stream]:
         if g.model is not None and g.model != self.model:
             raise ApiError(404, f"The model `{g.model}` does not exist.", "model")
         limit = self.engine.max_request_tokens()
@@ -211,34 +235,34 @@ class Emulator:
 
     async def _generate(self, request: web.Request, parse, shape: "_Shape") -> web.StreamResponse:
         g = parse(parse_json(await request.read()))
-        stream = self._admit(g)
+        streams = self._admit(g)
         try:
             if g.stream:
-                return await self._stream(request, g, stream, shape)
-            while stream.finished is None:
-                await stream.wait()
-            return web.Response(body=shape.whole(g, stream), content_type="application/json")
+                return await self._stream(request, g, streams, shape)
+            await until_finished(streams)
+            return web.Response(body=shape.whole(g, streams), content_type="application/json")
         finally:
-            if stream.finished is None:  # the client went away: free its KV
-                self.driver.abort(g.rid)
+            self.driver.abort_unfinished(streams)  # the client went away: free its KV
 
-    async def _stream(self, request: web.Request, g: GenRequest, stream: Stream,
+    async def _stream(self, request: web.Request, g: GenRequest, streams: list[Stream],
                       shape: "_Shape") -> web.StreamResponse:
+        """Each sample's tokens as they come (the samples of a step interleave), each
+        sample's end as it ends; usage and [DONE] once all have ended."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+        samples = [_Sample(stream, i) for i, stream in enumerate(streams)]
         try:
             await resp.prepare(request)
-            sent = 0
             while True:
-                await stream.wait()
-                new, sent = stream.tokens[sent:], len(stream.tokens)
-                parts = [shape.chunk(g, stream, new, first=sent == len(new))] if new else []
-                if stream.finished is not None:
-                    parts.extend(shape.end(g, stream))
+                await streams[0].wait()  # the samples share one event
+                parts = [part for sample in samples for part in sample.news(g, shape)]
+                done = all(sample.ended for sample in samples)
+                if done:
+                    parts.extend(shape.tail(g, streams))
                     parts.append(b"data: [DONE]\n\n")
                 if parts:
                     await resp.write(b"".join(parts))
-                if stream.finished is not None:
+                if done:
                     await resp.write_eof()
                     return resp
         except ConnectionError:  # the client went away; the caller aborts the request
@@ -280,16 +304,13 @@ class Emulator:
             raise ApiError(400, "An input is empty.", "input")
         if self.max_queued is not None and self.engine.load().num_waiting >= self.max_queued:
             raise ApiError(503, "The request queue is full.")
-        streams = [self.driver.submit(GenRequest(f"pool-{uuid.uuid4().hex}", ids, 1, True, 0, False, False, None), 1)
-                   for ids in batch]
+        streams = [stream for ids in batch for stream in self.driver.submit(
+            GenRequest(f"pool-{uuid.uuid4().hex}", ids, 1, True, 0, False, False, None), 1)]
         try:
-            for stream in streams:
-                while stream.finished is None:
-                    await stream.wait()
+            for stream in streams:  # each has its own event: wait for them one by one
+                await until_finished([stream])
         finally:
-            for stream in streams:
-                if stream.finished is None:
-                    self.driver.abort(stream.rid)
+            self.driver.abort_unfinished(streams)
 
     # ---- SGLang / vLLM control and load ----------------------------------------------------
 
@@ -352,13 +373,11 @@ class Emulator:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         g = GenRequest(f"health-{time.monotonic_ns()}", [1], 1, True, 0, False, False, None)
-        stream = self.driver.submit(g, 1)
+        streams = self.driver.submit(g, 1)
         try:
-            while stream.finished is None:
-                await stream.wait()
+            await until_finished(streams)
         finally:
-            if stream.finished is None:
-                self.driver.abort(g.rid)
+            self.driver.abort_unfinished(streams)
         return web.Response(status=200)
 
     async def ping(self, request: web.Request) -> web.Response:
@@ -484,91 +503,136 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 class _Shape:
+    """How a face writes a request's answers: `streams` holds its samples (one unless `n`)."""
+
     def __init__(self, emu: Emulator):
         self.model = emu.model
         self.created = int(time.time())
 
-    def usage(self, stream: Stream) -> dict:
-        fin = stream.finished
-        prompt = fin.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": len(stream.tokens),
-                "total_tokens": prompt + len(stream.tokens),
+    def usage(self, streams: list[Stream]) -> dict:
+        # the samples share the prompt: counted once, with sample 0's cache hit (sample 0
+        # is what n=1 would have been); every sample's output counts
+        fin = streams[0].finished
+        prompt, completion = fin.prompt_tokens, sum(len(s.tokens) for s in streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
-    def chunk(self, g: GenRequest, stream: Stream, new: list[int], first: bool) -> bytes:
+    def chunk(self, g: GenRequest, stream: Stream, new: list[int], first: bool, index: int) -> bytes:
         raise NotImplementedError
 
-    def end(self, g: GenRequest, stream: Stream) -> list[bytes]:
+    def finish(self, g: GenRequest, stream: Stream, index: int) -> list[bytes]:
+        """What ends one sample's stream."""
         raise NotImplementedError
 
-    def whole(self, g: GenRequest, stream: Stream) -> bytes:
+    def tail(self, g: GenRequest, streams: list[Stream]) -> list[bytes]:
+        """What follows once every sample has ended (before [DONE])."""
+        return []
+
+    def whole(self, g: GenRequest, streams: list[Stream]) -> bytes:
         raise NotImplementedError
+
+
+class _Sample:
+    """How far one sample's stream has been written."""
+
+    __slots__ = ("stream", "index", "sent", "ended")
+
+    def __init__(self, stream: Stream, index: int):
+        self.stream, self.index, self.sent, self.ended = stream, index, 0, False
+
+    def news(self, g: GenRequest, shape: _Shape) -> list[bytes]:
+        """Its tokens since the last write, then its end once it has ended."""
+        if self.ended:
+            return []
+        stream = self.stream
+        new, first = stream.tokens[self.sent:], self.sent == 0
+        self.sent = len(stream.tokens)
+        parts = [shape.chunk(g, stream, new, first, self.index)] if new else []
+        if stream.finished is not None:
+            parts.extend(shape.finish(g, stream, self.index))
+            self.ended = True
+        return parts
 
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-class _ChatShape(_Shape):
-    def _chunk(self, g: GenRequest, delta: dict, finish: str | None) -> dict:
+class _OpenAIShape(_Shape):
+    """Chat and text completions: one choice per chunk, a usage chunk at the end on request."""
+
+    EMPTY: object  # a chunk's content that says nothing
+
+    def _chunk(self, g: GenRequest, content, finish: str | None, index: int = 0) -> dict:
+        raise NotImplementedError
+
+    def finish(self, g, stream, index):
+        return [_sse(self._chunk(g, self.EMPTY, stream.finished.reason, index))]
+
+    def tail(self, g, streams):
+        if not g.include_usage:
+            return []
+        usage = self._chunk(g, self.EMPTY, None)
+        usage["choices"], usage["usage"] = [], self.usage(streams)
+        return [_sse(usage)]
+
+
+class _ChatShape(_OpenAIShape):
+    EMPTY = {}
+
+    def _chunk(self, g, delta, finish, index=0):
         out = {"id": f"chatcmpl-{g.rid}", "object": "chat.completion.chunk",
                "created": self.created, "model": self.model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+               "choices": [{"index": index, "delta": delta, "logprobs": None,
                             "finish_reason": finish}]}
         if g.include_usage:
             out["usage"] = None
         return out
 
-    def chunk(self, g, stream, new, first):
+    def chunk(self, g, stream, new, first, index):
         delta = {"role": "assistant", "content": decode(new)} if first else {"content": decode(new)}
-        return _sse(self._chunk(g, delta, None))
+        return _sse(self._chunk(g, delta, None, index))
 
-    def end(self, g, stream):
-        parts = [_sse(self._chunk(g, {}, stream.finished.reason))]
-        if g.include_usage:
-            usage = self._chunk(g, {}, None)
-            usage["choices"], usage["usage"] = [], self.usage(stream)
-            parts.append(_sse(usage))
-        return parts
-
-    def whole(self, g, stream):
+    def whole(self, g, streams):
         return orjson.dumps({
             "id": f"chatcmpl-{g.rid}", "object": "chat.completion", "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant",
-                                                 "content": decode(stream.tokens)},
-                         "logprobs": None, "finish_reason": stream.finished.reason}],
-            "usage": self.usage(stream)})
+            "choices": [{"index": i, "message": {"role": "assistant", "content": decode(s.tokens)},
+                         "logprobs": None, "finish_reason": s.finished.reason}
+                        for i, s in enumerate(streams)],
+            "usage": self.usage(streams)})
 
 
-class _CompletionShape(_Shape):
-    def _chunk(self, g: GenRequest, text: str, finish: str | None) -> dict:
+class _CompletionShape(_OpenAIShape):
+    EMPTY = ""
+
+    @staticmethod
+    def _choice(text: str, finish: str | None, index: int) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def _chunk(self, g, text, finish, index=0):
         out = {"id": f"cmpl-{g.rid}", "object": "text_completion", "created": self.created,
-               "model": self.model,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+               "model": self.model, "choices": [self._choice(text, finish, index)]}
         if g.include_usage:
             out["usage"] = None
         return out
 
-    def chunk(self, g, stream, new, first):
-        return _sse(self._chunk(g, decode(new), None))
+    def chunk(self, g, stream, new, first, index):
+        return _sse(self._chunk(g, decode(new), None, index))
 
-    def end(self, g, stream):
-        parts = [_sse(self._chunk(g, "", stream.finished.reason))]
-        if g.include_usage:
-            usage = self._chunk(g, "", None)
-            usage["choices"], usage["usage"] = [], self.usage(stream)
-            parts.append(_sse(usage))
-        return parts
-
-    def whole(self, g, stream):
-        out = self._chunk(g, decode(stream.tokens), stream.finished.reason)
-        out["usage"] = self.usage(stream)
+    def whole(self, g, streams):
+        out = self._chunk(g, "", None)
+        out["choices"] = [self._choice(decode(s.tokens), s.finished.reason, i)
+                          for i, s in enumerate(streams)]
+        out["usage"] = self.usage(streams)
         return orjson.dumps(out)
 
 
 class _GenerateShape(_Shape):
-    """SGLang /generate: cumulative text per chunk, meta_info with the finish reason."""
+    """SGLang /generate: cumulative text per chunk, meta_info with the finish reason. With
+    `n` > 1 SGLang answers a list of n bodies, or streams each sample's bodies marked with
+    its `index` (tokenizer_manager.py `_handle_batch_request`)."""
 
     def _body(self, g: GenRequest, stream: Stream) -> dict:
         fin = stream.finished
@@ -581,24 +645,33 @@ class _GenerateShape(_Shape):
         else:
             reason = {"type": "abort", "message": "Abort request."}
         return {"text": decode(stream.tokens), "output_ids": stream.tokens,
-                "meta_info": {"id": g.rid, "finish_reason": reason,
+                "meta_info": {"id": stream.rid, "finish_reason": reason,
                               "prompt_tokens": len(g.prompt_ids),
                               "completion_tokens": len(stream.tokens),
                               "cached_tokens": fin.cached_tokens if fin else 0}}
 
-    def chunk(self, g, stream, new, first):
-        return _sse(self._body(g, stream)) if stream.finished is None else b""
+    def _streamed(self, g: GenRequest, stream: Stream, index: int) -> bytes:
+        body = self._body(g, stream)
+        if g.n > 1:
+            body["index"] = index
+        return _sse(body)
 
-    def end(self, g, stream):
-        return [_sse(self._body(g, stream))]
+    def chunk(self, g, stream, new, first, index):
+        return self._streamed(g, stream, index) if stream.finished is None else b""
 
-    def whole(self, g, stream):
-        return orjson.dumps(self._body(g, stream))
+    def finish(self, g, stream, index):
+        return [self._streamed(g, stream, index)]
+
+    def whole(self, g, streams):
+        if g.n == 1:
+            return orjson.dumps(self._body(g, streams[0]))
+        return orjson.dumps([self._body(g, s) for s in streams])
 
 
 class _ResponsesShape(_Shape):
     """OpenAI Responses: one `response` object; streamed as typed events. Finished ones are
-    kept (the last STORED_RESPONSES) for GET /v1/responses/{id}."""
+    kept (the last STORED_RESPONSES) for GET /v1/responses/{id}. The API has no `n`: one
+    stream."""
 
     def __init__(self, emu: "Emulator"):
         super().__init__(emu)
@@ -611,7 +684,7 @@ class _ResponsesShape(_Shape):
                                              "status": status, "content": [{"type": "output_text", "text": text,
                                                                             "annotations": []}]}]}
         if stream.finished is not None:
-            u = self.usage(stream)
+            u = self.usage([stream])
             out["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                             "total_tokens": u["total_tokens"],
                             "input_tokens_details": {"cached_tokens": stream.finished.cached_tokens}}
@@ -621,19 +694,19 @@ class _ResponsesShape(_Shape):
     def _event(kind: str, doc: dict) -> bytes:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **doc}) + b"\n\n"
 
-    def chunk(self, g, stream, new, first):
+    def chunk(self, g, stream, new, first, index):
         delta = self._event("response.output_text.delta", {"item_id": f"msg_{g.rid}", "output_index": 0,
                                                            "content_index": 0, "delta": decode(new)})
         if first:
             return self._event("response.created", {"response": self._response(g, stream, "in_progress")}) + delta
         return delta
 
-    def end(self, g, stream):
+    def finish(self, g, stream, index):
         done = self.emu.store_response(self._response(g, stream, "completed"))
         return [self._event("response.completed", {"response": done})]
 
-    def whole(self, g, stream):
-        return orjson.dumps(self.emu.store_response(self._response(g, stream, "completed")))
+    def whole(self, g, streams):
+        return orjson.dumps(self.emu.store_response(self._response(g, streams[0], "completed")))
 
 
 VLLM_BLOCK_SIZE = 16  # vLLM's default KV block size on GPUs

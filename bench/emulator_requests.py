@@ -40,6 +40,17 @@ class GenRequest:
     model: str | None
     sample_key: int | None = None  # bench.engine.EngineRequest.sample_key (`sample_key` below)
     min_new_tokens: int = 0  # bench.engine.EngineRequest.min_new_tokens (`min_tokens`)
+    n: int = 1  # parallel sampling: this many answers to the one prompt (the API's `n`)
+
+    def sample_ids(self) -> list[str]:
+        """The engine request id of each sample; a single answer keeps the request's own id."""
+        return [self.rid] if self.n == 1 else [f"{self.rid}-{i}" for i in range(self.n)]
+
+    def sample_key_of(self, i: int) -> int | None:
+        """Sample i's draw: `sample_key` + i, as vLLM seeds child i with `seed + i`
+        (v1/engine/parallel_sampling.py), so sample 0 draws what n=1 draws. Greedy decoding
+        (None) gives every sample the same answer, as it does on a real engine."""
+        return None if self.sample_key is None else self.sample_key + i
 
 
 def parse_json(raw: bytes) -> dict:
@@ -73,6 +84,16 @@ def _positive(body: dict, key: str) -> int | None:
     return value
 
 
+MAX_SAMPLES = 128  # OpenAI's bound on `n`
+
+
+def _sample_count(options: dict) -> int:
+    n = _typed(options, "n", int, "an integer", 1)
+    if not 1 <= n <= MAX_SAMPLES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_SAMPLES}.", "n")
+    return n
+
+
 def sample_key(params: dict) -> int | None:
     """How the answer is drawn. Greedy decoding (`temperature` 0) answers a prompt the same way
     each time: None, the answer follows the prompt. Sampled decoding (the API's default
@@ -86,7 +107,8 @@ def sample_key(params: dict) -> int | None:
 
 
 def _common(body: dict, prompt_ids: list[int], max_new: int | None, ignore_eos: bool,
-            stream: bool, include_usage: bool, params: dict | None = None) -> GenRequest:
+            stream: bool, include_usage: bool, n: int = 1,
+            params: dict | None = None) -> GenRequest:
     """`params`: where the sampling options are (SGLang's `sampling_params`; else the body)."""
     rid = _typed(body, "rid", str, "a string") or uuid.uuid4().hex
     priority = _typed(body, "priority", int, "an integer", 0)
@@ -98,13 +120,10 @@ def _common(body: dict, prompt_ids: list[int], max_new: int | None, ignore_eos: 
     if min_new < 0:
         raise ApiError(400, "'min_tokens' must be at least 0.", "min_tokens")
     return GenRequest(rid, prompt_ids, max_new, ignore_eos, priority, stream, include_usage, model,
-                      sample_key(options), min_new)
+                      sample_key(options), min_new, n)
 
 
-def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool]:
-    n = _typed(body, "n", int, "an integer", 1)
-    if n != 1:
-        raise ApiError(400, "Only n=1 is supported.", "n")
+def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool, int]:
     for key in ("top_p", "presence_penalty", "frequency_penalty"):  # temperature: `sample_key`
         _typed(body, key, (int, float), "a number")
     # SGLang Router rewrites max_tokens into max_completion_tokens; either is honoured
@@ -115,7 +134,7 @@ def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool]:
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object", {})
     include_usage = _typed(options, "include_usage", bool, "a boolean", False)
-    return max_new, ignore_eos, stream, include_usage
+    return max_new, ignore_eos, stream, include_usage, _sample_count(body)
 
 
 def parse_chat(body: dict) -> GenRequest:
@@ -163,7 +182,8 @@ def parse_generate(body: dict) -> GenRequest:
     ignore_eos = _typed(params, "ignore_eos", bool, "a boolean", False)
     stream = _typed(body, "stream", bool, "a boolean", False)
     # SGLang's default max_new_tokens for /generate is 128
-    return _common(body, ids, 128 if max_new is None else max_new, ignore_eos, stream, False, params)
+    return _common(body, ids, 128 if max_new is None else max_new, ignore_eos, stream, False,
+                   _sample_count(params), params)
 
 
 def parse_responses(body: dict) -> GenRequest:

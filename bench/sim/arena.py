@@ -116,6 +116,7 @@ class Call:
     final: bool = False
     tier: Tier = Tier.IW_N
     app: str | None = None  # the X-LB-App header live clients send (bench.workloads.base.RequestSpec.app)
+    samples: int = 1  # the body's `n`: answers sampled in parallel, each `output_tokens` long
 
 
 class PeerFront:
@@ -304,7 +305,7 @@ class Arena:
     def _arrive(self, call: Call) -> None:
         now = self.loop.now
         req = SimRequest(call.request_id, call.region, self.model, call.user or "anonymous", now,
-                         call.tokens, call.output_tokens)
+                         call.tokens, call.output_tokens, samples=call.samples)
         self.arrived[req.id] = req
         front, _ = self._front_of(call.region)
         req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
@@ -312,7 +313,8 @@ class Arena:
                                                                 self.limit - len(call.tokens)),
                                  arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
-                                 final_call=call.final, tier=call.tier, stream=self.stream, app=call.app)
+                                 final_call=call.final, tier=call.tier, stream=self.stream, app=call.app,
+                                 samples=call.samples)
         if isinstance(front, PeerFront):
             front.arrive(req, call)
             return

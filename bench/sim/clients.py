@@ -58,7 +58,8 @@ def encode_chat(messages: list[dict]) -> list[int]:
 def call_of(spec: RequestSpec, region: str) -> Call:
     return Call(request_id=spec.request_id, region=region, tokens=encode_chat(spec.messages),
                 output_tokens=spec.max_tokens, user=spec.user, session=spec.session,
-                interaction_id=spec.interaction_id, stage=spec.stage, final=bool(spec.final), app=spec.app)
+                interaction_id=spec.interaction_id, stage=spec.stage, final=bool(spec.final), app=spec.app,
+                samples=spec.n)
 
 
 class Programs:

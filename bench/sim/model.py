@@ -55,6 +55,11 @@ from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 from lb.daemon.config import Config
 
 
+def sample_id(request_id: str, i: int) -> str:
+    """The engine request of a request's `i`-th parallel sample; the first keeps the request's id."""
+    return request_id if i == 0 else f"{request_id}#{i}"
+
+
 @dataclass(slots=True)
 class SimRequest:
     id: str
@@ -63,9 +68,13 @@ class SimRequest:
     tenant: str
     arrival: float
     prompt: Sequence[int]
-    output_tokens: int
+    output_tokens: int  # of each answer
     unique_prompt: bool = False  # no other request shares a block of it (EngineRequest.unique_prompt)
     facts: RequestFacts | None = None
+    samples: int = 1  # parallel sampling (the API's `n`): answers decoded side by side, each its own engine request
+    outputs: int = 0  # tokens of its answers ended so far
+    left: int = 0  # its answers still running on its replica
+    cached: int = 0  # of its prompt, found cached: the least any of its samples found (the one that computed it)
     extra_latency: float = 0.0  # round trip added by forwarding
     first_token: float | None = None
     pushed_at: float | None = None  # when a replica took it (TTFT there counts from here)
@@ -203,7 +212,7 @@ class SimReplica:
             self.snap = self.engine.probe(tick)
             # pushes the scheduler counted since the tick have not reached the engine yet
             unapplied = 0
-            for t, _ in reversed(self.view.push_log):
+            for t, _, _ in reversed(self.view.push_log):
                 if t < tick:
                     break
                 unapplied += 1
@@ -285,7 +294,6 @@ class SimReplica:
         now = self.loop.now
         if self.lb.wants_probe(self.view):
             self.ask_probe()
-        self.requests[req.id] = req
         req.pushed_at = now
         req.served_by = self.id
         req.served_region = self.region
@@ -296,19 +304,26 @@ class SimReplica:
         # min_tokens: engines reserve decode room by the cap (bench.workloads.base.EXACT)
         declared = req.facts.max_tokens if req.facts is not None else req.output_tokens
         exact = declared == req.output_tokens
-        self.engine.submit(EngineRequest(req.id, req.prompt,
-                                         req.output_tokens if exact else
-                                         declared or self.engine.max_request_tokens() - len(req.prompt),
-                                         ignore_eos=exact, arrival=now, unique_prompt=req.unique_prompt,
-                                         # a unique prompt's answer is never sent back: no draw to make
-                                         sample_key=None if req.unique_prompt else answer_key(req.id),
-                                         min_new_tokens=0 if exact else req.output_tokens), now)
+        req.left, req.outputs = req.samples, 0
+        # n answers are n engine requests with the one prompt, as SGLang's tokenizer manager and
+        # vLLM's parallel sampling hand them to their schedulers; the engine prefills their
+        # shared prompt once (`Engine._shareable`), each sample draws its own answer
+        for i in range(req.samples):
+            rid = sample_id(req.id, i)
+            self.requests[rid] = req
+            self.engine.submit(EngineRequest(rid, req.prompt,
+                                             req.output_tokens if exact else
+                                             declared or self.engine.max_request_tokens() - len(req.prompt),
+                                             ignore_eos=exact, arrival=now, unique_prompt=req.unique_prompt,
+                                             # a unique prompt's answer is never sent back: no draw to make
+                                             sample_key=None if req.unique_prompt else answer_key(rid),
+                                             min_new_tokens=0 if exact else req.output_tokens), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:
         """Run `req` here on a front that does not run the scheduler (the peers' routers in
         bench/sim/arena.py): count the push on the view as the scheduler would, then run it."""
-        record_push(self.view, 0, self.loop.now)
+        record_push(self.view, 0, self.loop.now, req.samples)
         self.push(req)
 
     def _catch_up(self, now: float) -> None:
@@ -357,14 +372,19 @@ class SimReplica:
         now = self.loop.now
         for f in finished:
             req = self.requests.pop(f.id)
+            req.outputs += f.output_tokens
+            req.cached = f.cached_tokens if req.left == req.samples else min(req.cached, f.cached_tokens)
+            req.left -= 1
+            if req.left:  # its other samples still decode: the client has not its whole answer
+                continue
             req.finished_at = now
             self.view.outstanding -= 1
-            settle_completion(self.view)
+            settle_completion(self.view, req.samples)
             self.mark_stale()
             if req.first_token is not None:  # timed from the push, as the daemon's proxy times it
                 self.lb.served(req, self.id, req.first_token - req.pushed_at if req.facts.stream else None,
-                               now - req.pushed_at, f.output_tokens, now)
-            self.lb.completed(req, now, f.prompt_tokens, f.cached_tokens, f.output_tokens)
+                               now - req.pushed_at, req.outputs, now)
+            self.lb.completed(req, now, f.prompt_tokens, req.cached, req.outputs)
         # the daemon's rule; a probe that costs nothing (view.probe_s 0) always holds here and
         # is taken at once (it never reads a view the lazy probing left behind)
         if self.lb.wants_probe(self.view):

@@ -26,6 +26,7 @@ from bench.sim.clients import Programs, Replay, Surge, Timed
 from bench.workloads import long_short, make_workload, random_dataset
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
+from bench.workloads.best_of_n import BestOfN
 from bench.workloads.reasoning import Reasoning
 from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
 
@@ -330,14 +331,25 @@ def hot_shift_calls(seed: int) -> Iterator[Timed]:
                             HOT_SHIFT_OUTPUT_TOKENS, app="hot-shift", user=f"user-{i % 64}"))
 
 
-def reasoning_calls(seed: int) -> Iterator[Timed]:
-    """The live `reasoning` workload's requests (bench/workloads/reasoning.py: the same draws), at
-    1 req/s before scaling; each system prompt one range of token ids, each question its own."""
-    live = Reasoning(seed=seed)
+def system_prompt_calls(live: Reasoning | BestOfN, ids: str) -> Iterator[Timed]:
+    """A live workload's requests of a system prompt and a question (`live.draws()`: the same
+    draws), at 1 req/s before scaling; each system prompt one range of token ids, each question
+    its own; user `{ids}-{i % 64}` as the live requests name it."""
     systems = live.system_lengths()
     for d in live.draws():
         tokens = prefixed_prompt(d.system, systems[d.system], d.i, d.question_tokens, question_shift=14)
-        yield Timed(d.at, Call(f"reason-{d.i}", "local", tokens, d.answer_tokens, user=f"reason-{d.i % 64}"))
+        yield Timed(d.at, Call(f"{ids}-{d.i}", "local", tokens, d.answer_tokens, user=f"{ids}-{d.i % 64}",
+                               samples=getattr(d, "samples", 1)))
+
+
+def reasoning_calls(seed: int) -> Iterator[Timed]:
+    """The live `reasoning` workload's requests (bench/workloads/reasoning.py)."""
+    return system_prompt_calls(Reasoning(seed=seed), "reason")
+
+
+def best_of_n_calls(seed: int) -> Iterator[Timed]:
+    """The live `best-of-n` workload's requests (bench/workloads/best_of_n.py)."""
+    return system_prompt_calls(BestOfN(seed=seed), "bon")
 
 
 # Long and short prompts on one fleet: the live `long-short` workload's draws
@@ -424,6 +436,11 @@ register(Workload("hot-shift", f"{HOT_SHIFT_APPS} apps' system prompts of {HOT_S
                   f"{HOT_SHIFT_OUTPUT_TOKENS}-token answers, Poisson arrivals (open loop); held out: added after "
                   "the policy was settled, 4 L4 replicas",
                   ONE_REGION, "replay", calls=hot_shift_calls, natural_rps=lambda: 1.0))
+register(Workload("best-of-n", "Chat beside parallel sampling: 16 apps' system prompts of 400-1,600 tokens, "
+                  "Zipf-popular, ~200-token questions, half the requests one answer and the rest n = 4 or 8 answers "
+                  "sampled in parallel (a best-of-n reranker), ~200 tokens each, Poisson arrivals (open loop); held "
+                  "out: added after the policy was settled, 4 L4 replicas",
+                  ONE_REGION, "replay", calls=best_of_n_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "

@@ -9,6 +9,7 @@ from typing import Callable
 
 from bench.workloads.agent import Agent
 from bench.workloads.azure_conv import AzureConv
+from bench.workloads.best_of_n import BestOfN
 from bench.workloads.base import ClosedLoopWorkload, OpenLoopWorkload, RequestSpec
 from bench.workloads.long_short import LongShort
 from bench.workloads.mixed_tree import MixedTree
@@ -32,6 +33,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "reasoning": Reasoning,
     "long-short": LongShort,
     "random": RandomDataset,
+    "best-of-n": BestOfN,
 }
 
 

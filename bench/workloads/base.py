@@ -79,6 +79,7 @@ class RequestSpec:
     residency: str | None = None
     at: float = 0.0  # open loop: arrival, seconds from the start of the replay (unscaled)
     delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
+    n: int = 1  # parallel sampling: this many answers of `max_tokens` each (the API's `n`)
     meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
 
     def headers(self, lb: bool = True) -> dict[str, str]:
@@ -112,6 +113,8 @@ class RequestSpec:
             body["ignore_eos"] = True
         if self.user:
             body["user"] = self.user
+        if self.n != 1:
+            body["n"] = self.n
         return body
 
     def prompt_text(self) -> str:

@@ -186,13 +186,13 @@ class QueuedWork:
 
     def __init__(self) -> None:
         self.known = 0  # prompt tokens, and max_tokens where a call gives them
-        self.estimated: dict[tuple, int] = {}  # (app, stage) → calls waiting without max_tokens
+        self.estimated: dict[tuple, int] = {}  # (app, stage) → answers waiting without max_tokens
 
     def add(self, facts: RequestFacts, sign: int = 1) -> None:
-        self.known += sign * (facts.prompt_tokens + (facts.max_tokens or 0))
-        if facts.max_tokens is None:
+        self.known += sign * (facts.prompt_tokens + (facts.max_tokens or 0) * facts.samples)
+        if facts.max_tokens is None:  # each parallel sample one estimated answer
             key = (facts.app, facts.interaction_stage or 0)
-            n = self.estimated.get(key, 0) + sign
+            n = self.estimated.get(key, 0) + sign * facts.samples
             if n:
                 self.estimated[key] = n
             else:
@@ -204,6 +204,7 @@ class QueuedWork:
 
 
 def tokens_of(facts: RequestFacts, expected_output: float) -> float:
-    """Work one queued request stands for: its prompt plus the output it will likely produce."""
+    """Work one queued request stands for: its prompt plus the output it will likely produce
+    (each of its parallel samples an answer)."""
     output = facts.max_tokens if facts.max_tokens is not None else expected_output
-    return facts.prompt_tokens + output
+    return facts.prompt_tokens + output * facts.samples

@@ -37,7 +37,8 @@ MIN_CACHE_SHARE = 0.25
 @dataclass(slots=True)
 class _Answer:
     target: str
-    tokens: float  # its expected length
+    tokens: float  # its expected length (all its samples')
+    samples: int = 1  # answers it decodes side by side (the API's `n`), a token each a step
     start: float | None = None  # when its decode began; None: not yet
 
 
@@ -47,18 +48,20 @@ class Decoding:
     def __init__(self, max_tracked: int = MAX_TRACKED):
         self.max_tracked = max_tracked
         self._answers: OrderedDict[str, _Answer] = OrderedDict()
-        # target → (answers started, sum of their start times, sum of their expected lengths)
+        # target → (answers started, sum of their start times, sum of their expected lengths),
+        # a push of n parallel samples n answers that start together
         self._sums: dict[str, tuple[int, float, float]] = {}
 
     def __len__(self) -> int:
         return len(self._answers)
 
-    def placed(self, request_id: str, target_id: str, answer_tokens: float, starts_at: float | None = None) -> None:
-        """`request_id` was pushed to `target_id` with an answer of about `answer_tokens` to come;
-        `starts_at`: when its decode begins, where no first token will say (an answer that comes
-        back whole: its predicted first token). A retry of the same id replaces it."""
+    def placed(self, request_id: str, target_id: str, answer_tokens: float, starts_at: float | None = None,
+               samples: int = 1) -> None:
+        """`request_id` was pushed to `target_id` with `samples` answers of about `answer_tokens`
+        in all to come; `starts_at`: when its decode begins, where no first token will say (an
+        answer that comes back whole: its predicted first token). A retry of the same id replaces it."""
         self.ended(request_id)
-        answer = self._answers[request_id] = _Answer(target_id, max(0.0, answer_tokens))
+        answer = self._answers[request_id] = _Answer(target_id, max(0.0, answer_tokens), max(1, samples))
         if starts_at is not None:
             self._start(answer, starts_at)
         while len(self._answers) > self.max_tracked:
@@ -76,8 +79,9 @@ class Decoding:
         if answer is None or answer.start is None:
             return
         count, starts, tokens = self._sums[answer.target]
-        if count > 1:
-            self._sums[answer.target] = (count - 1, starts - answer.start, tokens - answer.tokens)
+        if count > answer.samples:
+            self._sums[answer.target] = (count - answer.samples, starts - answer.samples * answer.start,
+                                         tokens - answer.tokens)
         else:  # the last one: drop the sums, so no rounding carries over
             del self._sums[answer.target]
 
@@ -105,4 +109,4 @@ class Decoding:
     def _start(self, answer: _Answer, at: float) -> None:
         answer.start = at
         count, starts, tokens = self._sums.get(answer.target, (0, 0.0, 0.0))
-        self._sums[answer.target] = (count + 1, starts + at, tokens + answer.tokens)
+        self._sums[answer.target] = (count + answer.samples, starts + answer.samples * at, tokens + answer.tokens)

@@ -94,6 +94,13 @@ def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: 
         max_tokens = 0  # embeddings, scores, tokenize: no decode, nothing to reserve KV for
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
         raise BadRequest("`max_tokens` must be a non-negative integer", "max_tokens")
+    samples = body.get("n", 1)
+    if route == "generate" and isinstance(body.get("sampling_params"), dict):
+        samples = body["sampling_params"].get("n", 1)
+    if samples is None:  # an SDK that sends every field sends `"n": null` for the default
+        samples = 1
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise BadRequest("`n` must be a positive integer", "n")
     text = prompt_text(route, body)
     return RequestFacts(
         request_id=request_id,
@@ -101,6 +108,7 @@ def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: 
         prompt=text,
         prompt_tokens=len(text) // CHARS_PER_TOKEN,  # a tokenizer-free estimate; engines report the truth
         max_tokens=max_tokens,
+        samples=samples,
         stream=bool(body.get("stream")),
         arrival=now,
         session=headers.get(H_SESSION) or None,

@@ -113,9 +113,10 @@ DEFAULT_DECODE_RESERVE = 128
 
 def push_tokens(req: RequestFacts, decode_reserve: int = DEFAULT_DECODE_RESERVE) -> int:
     """KV tokens one push may take on admission: its whole prompt (a cache hit only makes
-    room) plus the decode reservation, capped by its max_tokens."""
+    room) plus the decode reservation, capped by its max_tokens, for each of its parallel
+    samples (they share the prompt's blocks; each answer holds its own)."""
     out = decode_reserve if req.max_tokens is None else min(req.max_tokens, decode_reserve)
-    return req.prompt_tokens + max(1, out)
+    return req.prompt_tokens + max(1, out) * max(1, req.samples)
 
 
 def has_headroom(view: ReplicaView, *, push_credit: int = DEFAULT_PUSH_CREDIT,
@@ -260,14 +261,17 @@ def is_available(
 
 # -- what the last probe has not seen (the estimate SP-P's headroom runs on) -----------------
 
-def record_push(view: ReplicaView, tokens: int, now: float) -> None:
-    """One request sent to `view` now; `tokens`: the KV it may take (`push_tokens`). It is
-    unseen by every probe until `settle_probe` says a probe's answer includes it."""
+def record_push(view: ReplicaView, tokens: int, now: float, samples: int = 1) -> None:
+    """One request sent to `view` now; `tokens`: the KV it may take (`push_tokens`); `samples`:
+    the answers it asks for (the API's `n`), each a request in the engine's running and waiting
+    counts (SGLang's tokenizer manager and vLLM's parallel sampling fan it out), so each spends
+    one of SP-P's unseen pushes. It is unseen by every probe until `settle_probe` says a
+    probe's answer includes it."""
     view.outstanding += 1
-    view.pushed_since_probe += 1
+    view.pushed_since_probe += samples
     view.pushed_tokens_since_probe += tokens
     log = view.push_log
-    log.append((now, tokens))
+    log.append((now, tokens, samples))
     while len(log) > view.outstanding:  # only a push still in flight can be unseen: bounded
         log.popleft()
 
@@ -301,14 +305,14 @@ def early_probe_delay(early_reprobe_s: float, probe_s: float, since_probe_s: flo
     return max(early_reprobe_s, gap - since_probe_s)
 
 
-def settle_completion(view: ReplicaView) -> None:
-    """A request on `view` ended: the engine admits one it kept waiting into the freed room, so
-    count one fewer pending until the next probe says. Without it SP-P holds back from a
-    replica that has room until a probe comes back: on a real vLLM under a batch cap, probed
-    in 17 ms under load, a slot stayed empty that long after each answer."""
+def settle_completion(view: ReplicaView, samples: int = 1) -> None:
+    """A request on `view` ended (with `samples` answers, each an engine request): the engine
+    admits as many it kept waiting into the freed room, so count that many fewer pending until
+    the next probe says. Without it SP-P holds back from a replica that has room until a probe
+    comes back: on a real vLLM under a batch cap, probed in 17 ms under load, a slot stayed
+    empty that long after each answer."""
     view.completions += 1
-    if view.pending > 0:
-        view.pending -= 1
+    view.pending = max(0, view.pending - samples)
 
 
 def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int, load_pending: int | None,
@@ -335,7 +339,7 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
     # The log is in push order, so the unseen pushes are a suffix of it: walk it from the end.
     horizon = started_at - early_reprobe_s
     after = wire = 0
-    for t, _ in reversed(log):
+    for t, _, _ in reversed(log):
         if t > started_at:
             after += 1
         elif t > horizon and load_running is None:
@@ -346,7 +350,10 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
         wire = max(0, min(outstanding_at_start + others_at_start - (load_pending or 0) - load_running,
                           outstanding_at_start - answering_at_start))
     unseen = after + wire
-    view.pushed_since_probe = unseen
+    newest = range(max(0, len(log) - unseen), len(log))
+    # the engine counts each of a push's parallel samples (`record_push`); the count above reads
+    # its running and waiting as ours, so with samples on the wire it finds fewer of them there
+    view.pushed_since_probe = unseen + sum(log[i][2] - 1 for i in newest)
     if view.max_running is None:
         learn_batch_cap(view, load_pending, load_running)
-    view.pushed_tokens_since_probe = sum(log[i][1] for i in range(max(0, len(log) - unseen), len(log)))
+    view.pushed_tokens_since_probe = sum(log[i][1] for i in newest)

@@ -383,7 +383,10 @@ class Scheduler:
     def served(self, facts: RequestFacts, target_id: str, ttft_s: float | None, e2e_s: float | None,
                output_tokens: int, now: float, prompt_tokens: int | None = None) -> None:
         """A replica answered a placed request: what it took feeds the policy's learned rates,
-        and the prompt tokens it counted (when it says) the bytes a token takes here."""
+        and the prompt tokens it counted (when it says) the bytes a token takes here.
+        `output_tokens`: of all its answers; parallel samples (`facts.samples`) decode side by
+        side, so the rates and the lengths learn one answer's."""
+        output_tokens //= max(1, facts.samples)
         self.policy.served(facts, target_id, ttft_s, e2e_s, output_tokens, now)
         self.leases.answered(facts, target_id, prompt_tokens or facts.prompt_tokens, output_tokens, now,
                              self._undeclared_chain(facts))
@@ -738,7 +741,7 @@ class Scheduler:
     def _place(self, entry: QueueEntry, target: Target, now: float) -> Placement:
         facts = entry.facts
         self._take(entry)
-        record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now)
+        record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now, facts.samples)
         self.leases.placed(facts)
         predicted = self.policy.last.predicted_ttft_s
         if facts.stream:  # its first event will say when its prefill is done
@@ -755,7 +758,7 @@ class Scheduler:
         if memory is not None:
             tid = target.view.id
             self.decoding.placed(facts.request_id, tid, self._answer_tokens(facts),
-                                 None if facts.stream else now + (predicted or 0.0))
+                                 None if facts.stream else now + (predicted or 0.0), facts.samples)
             room = self.cache_room(target.view, now)
             if room is not None:  # the trie remembers what its cache has room for
                 memory.cache_size(tid, room, self.bytes_per_token.value())
@@ -775,11 +778,12 @@ class Scheduler:
         return self.decoding.cache_room(view.id, view.kv_total_tokens, now, memory.decode_step_s(view.id))
 
     def _answer_tokens(self, facts: RequestFacts) -> float:
-        """The answer length a push is expected to decode: its max_tokens, else the lengths learned."""
+        """The answer tokens a push is expected to decode: its max_tokens, else the lengths
+        learned, for each of its parallel samples."""
         if facts.max_tokens is not None:
-            return facts.max_tokens
+            return facts.max_tokens * facts.samples
         lengths = self.affinity.lengths
-        return lengths.expected(facts) if lengths is not None else self.cfg.decode_reserve
+        return (lengths.expected(facts) if lengths is not None else self.cfg.decode_reserve) * facts.samples
 
     def _live(self, entry: QueueEntry, targets: list) -> set[str]:
         """The healthy local targets that could serve `entry`, free or busy (where its prefix may be)."""

@@ -116,7 +116,10 @@ class RequestFacts:
     # The text prefix hashing works on: the rendered messages or the completion prompt.
     prompt: str = ""
     prompt_tokens: int = 0  # estimate
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # of each answer
+    # Parallel sampling (the body's `n`): the engine prefills the prompt once and decodes this
+    # many answers side by side, each of up to `max_tokens`, each a request in its own counts
+    samples: int = 1
     stream: bool = False
     arrival: float = 0.0
     user: str | None = None

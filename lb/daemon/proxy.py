@@ -377,7 +377,7 @@ class Proxy:
             finally:
                 self.tracing.end_attempt(span, out)
                 self.hung.finish(attempt)
-                self.registry.completed(rep)
+                self.registry.completed(rep, facts.samples)
                 if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
                     # every attempt was charged at dispatch: correct it with the real token counts
                     self.dispatcher.fairness.completed(facts, time.monotonic(), out.usage)

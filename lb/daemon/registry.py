@@ -159,16 +159,17 @@ class Registry:
         return added, [r for r in removed if r not in added]
 
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
-    def completed(self, rep: Replica) -> None:
+    def completed(self, rep: Replica, samples: int = 1) -> None:
         rep.view.outstanding -= 1
         if rep.view.draining and rep.view.outstanding == 0:
             self._finish(rep)
-        self.ended(rep)
+        self.ended(rep, samples)
 
-    def ended(self, rep: Replica) -> None:
-        """A request on `rep` ended, ours or another LB instance's (lb.daemon.instances): the
-        engine admits one it kept waiting, and its freed KV may take more."""
-        settle_completion(rep.view)
+    def ended(self, rep: Replica, samples: int = 1) -> None:
+        """A request on `rep` ended, ours or another LB instance's (lb.daemon.instances), with
+        `samples` answers (the API's `n`): the engine admits as many it kept waiting, and its
+        freed KV may take more."""
+        settle_completion(rep.view, samples)
         if self.wants_probe(rep.view):  # a finished request frees KV: its waiting ones may be admitted now
             rep.reprobe.set()
         self.changed()

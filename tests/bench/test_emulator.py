@@ -158,7 +158,12 @@ def test_cached_tokens_grow_on_a_repeated_prefix(emu):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', 400, "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 129}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": "2"}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": true}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "x", "n": -1}', 400, "n"),
+    ("/generate", b'{"text": "x", "sampling_params": {"n": 0}}', 400, "n"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999}', 400, "max_tokens"),
     ("/v1/chat/completions", b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     ("/v1/completions", b'{"model": "tiny-llama"}', 400, "prompt"),
@@ -278,3 +283,59 @@ def test_metrics_parse_with_both_engines_names(emu):
                 assert "engine" in sample.labels
     assert families["sglang:prompt_tokens"].type == "counter"
     assert families["vllm:num_requests_waiting"].type == "gauge"
+
+
+def test_parallel_sampling_answers_n_choices(emu):
+    client = openai.OpenAI(base_url=emu + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=6, n=3,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    texts = [c.message.content for c in chat.choices]
+    assert len(set(texts)) > 1  # sampled: each sample draws its own answer
+    assert all(c.finish_reason == "length" for c in chat.choices)
+    assert chat.usage.completion_tokens == sum(len(t.split()) for t in texts) == 18
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 18
+
+    comp = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5, n=2,
+                                     seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in comp.choices] == [0, 1] and comp.usage.completion_tokens == 10
+    # sample 0 draws what a single answer draws; the others differ
+    single = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5,
+                                       seed=7, extra_body={"ignore_eos": True})
+    assert comp.choices[0].text == single.choices[0].text != comp.choices[1].text
+
+    status, docs = call("POST", emu + "/generate", {"text": "Hello", "rid": "par", "sampling_params": {
+        "max_new_tokens": 3, "ignore_eos": True, "n": 2}})
+    assert status == 200 and [d["meta_info"]["id"] for d in docs] == ["par-0", "par-1"]
+    assert all(len(d["output_ids"]) == 3 for d in docs)
+
+
+def test_parallel_sampling_streams_every_sample(emu):
+    client = openai.OpenAI(base_url=emu + "/v1", api_key="none", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="tiny-llama", messages=MSG, max_tokens=8, n=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts, finishes, roles = {}, {}, {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            roles.setdefault(choice.index, choice.delta.role)  # a sample's first chunk has the role
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1, 2] and all(len(t.split()) == 8 for t in texts.values())
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert len(usages) == 1 and chunks[-1].choices == [] and usages[0].completion_tokens == 24
+
+
+def test_parallel_samples_run_as_engine_requests_and_abort_together():
+    with emulator("--speed", "0.05") as url:
+        conn = open_stream(url, "/v1/chat/completions", {"messages": MSG, "max_tokens": 200,
+                                                         "ignore_eos": True, "n": 4})
+        poll(lambda: load(url)["num_reqs"] == 4, what="4 samples in the engine")
+        m = metrics(url)
+        assert m["vllm:num_requests_running"] == 4 and m["sglang:num_running_reqs"] == 4
+        conn.close()  # the client walks away: every sample is aborted
+        poll(lambda: load(url)["num_reqs"] == 0, what="the samples to be aborted")
+        assert metrics(url)["sglang:num_aborted_requests_total"] == 4

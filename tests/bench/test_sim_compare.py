@@ -864,3 +864,24 @@ def test_a_mixed_fleet_runs_vllm_and_sglang_replicas_side_by_side_and_lb_serves_
     arena.loop.run(40.0)
     served = {r.id: r.engine.counters.requests for r in arena.replicas}
     assert all(served.values()), served
+
+
+@pytest.mark.parametrize("system", ["lb", "llm-d default-scorers"])
+def test_parallel_samples_run_as_engine_requests_and_come_back_as_one_answer(system):
+    """A call with `samples` (the API's `n`) runs on one replica as that many engine requests
+    beside one prefill of its prompt, and its client gets one answer of all their tokens."""
+    from bench.sim import compare
+    from bench.sim.arena import Call
+
+    arena = compare.make_arena("best-of-n", system, 0)
+    done = []
+    prompt = list(range(1 << 30, (1 << 30) + 600))
+    arena.send(Call("n4", "local", prompt, 50, user="u", samples=4), done.append)
+    replicas = [r for front in arena.fronts.values() for r in front.replicas.values()]
+    arena.loop.run(1.0)
+    running = [r.engine.load().num_running for r in replicas]
+    assert sorted(running)[-1] == 4 and sum(running) == 4  # the four samples side by side on one replica
+    arena.loop.run(60.0)
+    [d] = done
+    assert d.output_tokens == 4 * 50 and d.prompt_tokens == 600
+    assert d.cached_tokens < 600  # its prompt was computed once, by one of the samples: not found cached

@@ -167,7 +167,7 @@ def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
     assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent",
-                              "reasoning", "long-short", "random"}
+                              "reasoning", "long-short", "random", "best-of-n"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -255,6 +255,25 @@ def test_reasoning_sends_what_the_simulator_sends_and_keeps_each_request_inside_
         assert system + question + spec.max_tokens <= live.context
     assert len({s.meta["system"] for s in specs}) == 8 and specs[-1].at > 300  # Poisson at 1 req/s
     assert sorted(s.max_tokens for s in specs)[250] in range(500, 900)  # median answer ~700 tokens
+
+
+def test_best_of_n_sends_what_the_simulator_sends_and_asks_for_parallel_samples():
+    from bench.sim.workloads_sim import best_of_n_calls
+
+    live = make_workload("best-of-n", seed=3)
+    specs = list(itertools.islice(live.arrivals(), 1000))
+    calls = [t.call for t in itertools.islice(best_of_n_calls(3), 1000)]
+    systems = live.system_lengths()
+    for spec, call in zip(specs, calls):
+        system, question = (len(m["content"].split()) for m in spec.messages)
+        assert system == systems[spec.meta["system"]]  # one text per app's system prompt
+        assert system + question == len(call.tokens) and spec.max_tokens == call.output_tokens
+        assert spec.n == call.samples == spec.meta["samples"] and spec.body("m").get("n", 1) == spec.n
+    shares = {n: sum(s.n == n for s in specs) / len(specs) for n in (1, 4, 8)}
+    assert abs(shares[1] - 0.5) < 0.05 and abs(shares[4] - 0.3) < 0.05 and abs(shares[8] - 0.2) < 0.05
+    assert abs(live.mean_samples() - 3.3) < 1e-9 and specs[-1].at > 800  # Poisson at 1 req/s
+    with pytest.raises(ValueError, match="best-of-n: n_weights"):
+        make_workload("best-of-n", n_weights=(0, 0, 0))
 
 
 def test_long_short_sends_what_the_simulator_sends():

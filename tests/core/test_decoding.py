@@ -101,3 +101,36 @@ def test_the_trie_forgets_prompts_the_answers_under_way_left_no_room_for_and_kee
     assert DEFAULT_BLOCK_CHARS == 128 and CHARS_PER_TOKEN == 4
     assert _held_after_answers(end_them=True) == 4
     assert _held_after_answers(end_them=False) == 0
+
+
+def test_parallel_samples_decode_side_by_side_each_up_to_its_length():
+    d = Decoding()
+    d.placed("n4", "r0", 4 * 100, samples=4)  # four answers of 100 tokens
+    d.placed("one", "r0", 100)
+    d.first_token("n4", 0.0)
+    d.first_token("one", 0.0)
+    assert d.tokens("r0", 0.5, STEP) == 5 * 50  # five answers, a token each a step
+    assert d.tokens("r0", 5.0, STEP) == 500
+    d.ended("n4")
+    assert d.tokens("r0", 0.5, STEP) == 50 and len(d) == 1
+
+
+def test_a_scheduler_charges_each_sample_an_answer_and_learns_one_answer_s_length():
+    s = _scheduler_with_a_learned_step()
+    r0 = rep("r0", kv_total_tokens=32_768)
+    facts = RequestFacts("n4", "m", prompt=prompt(("tides", 4)), prompt_tokens=128, stream=True, samples=4)
+    each = s.affinity.lengths.expected(facts)
+    assert s.admit(QueueEntry(facts, enqueued_at=0.0, seq=0), 0.0) is None
+    [p] = s.schedule(0.0, [r0])
+    assert p.kind is Kind.REPLICA
+    s.first_token("n4", 0.0)
+    assert s.decoding.tokens("r0", 0.5, STEP) == 4 * 50  # four answers decode side by side
+    assert s.decoding.tokens("r0", 60.0, STEP) == 4 * each  # each up to the length expected
+    s.ended("n4")
+    s.served(facts, "r0", 0.05, 0.05 + 59 * STEP, 4 * 60, now=1.0)  # the engine counts all four answers
+    one = _scheduler_with_a_learned_step()
+    single = RequestFacts("n1", "m", prompt=prompt(("tides", 4)), prompt_tokens=128, stream=True)
+    one.served(single, "r0", 0.05, 0.05 + 239 * STEP, 4 * 60, now=1.0)
+    # four answers of 60 tokens teach what one of 60 would, not one of 240 (after the warm-up's 100)
+    assert s.affinity.lengths.sketches[("all",)].mean() == (100 + 60) / 2
+    assert one.affinity.lengths.sketches[("all",)].mean() == (100 + 240) / 2

@@ -48,3 +48,20 @@ def test_bad_fields_name_the_param(route, body, headers, param):
 def test_internal_headers():
     assert is_internal_header("X-LB-Hop") and is_internal_header("x-lb-peer-region")
     assert not is_internal_header("X-LB-User") and not is_internal_header("Authorization")
+
+
+@pytest.mark.parametrize("route,body,samples", [
+    ("chat", {"model": "m", "messages": [], "n": 4}, 4),
+    ("chat", {"model": "m", "messages": [], "n": None}, 1),  # SDKs that send every field
+    ("completions", {"model": "m", "prompt": "p"}, 1),
+    ("generate", {"text": "t", "sampling_params": {"n": 3, "max_new_tokens": 8}}, 3),
+])
+def test_parallel_samples_are_read_from_n(route, body, samples):
+    assert build_facts(route, body, {}, "r", 0).samples == samples
+
+
+@pytest.mark.parametrize("n", [0, -2, "4", True, 1.5])
+def test_a_bad_n_names_the_param(n):
+    with pytest.raises(BadRequest) as e:
+        build_facts("chat", {"model": "m", "messages": [], "n": n}, {}, "r", 0)
+    assert e.value.param == "n"

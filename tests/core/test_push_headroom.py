@@ -275,3 +275,24 @@ def test_an_engine_that_says_it_preempted_lately_is_marked_at_each_probe_that_sa
     note_preemptions(v, 5.0, 4.0, reserves=True)  # SGLang's /metrics counter: the same reading
     note_preemptions(v, 7.0, 5.0, reserves=True)
     assert v.preempted_at == 5.0 and not v.overcommits
+
+
+def test_parallel_samples_reserve_an_answer_each_and_spend_a_push_each():
+    """An engine runs each of a request's `n` samples as a request (SGLang's tokenizer manager and
+    vLLM fan it out) beside the one prompt: its KV and its batch slots are n answers'."""
+    from lb.core.pushing import record_push, settle_completion, settle_probe
+
+    assert push_tokens(RequestFacts("x", "m", prompt_tokens=200, max_tokens=40, samples=4)) == 200 + 4 * 40
+    v = view(kv_free_tokens=100_000, running=0, max_running=4)
+    record_push(v, 360, now=1.0, samples=4)
+    assert v.pushed_since_probe == 4 and v.outstanding == 1
+    assert not has_headroom(v)  # the batch of four is full though one request was pushed
+    # a probe that started before the push cannot include it: its four samples stay unseen
+    settle_probe(v, started_at=0.9, outstanding_at_start=0, load_pending=0, load_running=0, early_reprobe_s=0.002)
+    assert v.pushed_since_probe == 4 and v.pushed_tokens_since_probe == 360
+    # one that started after holds them: none unseen
+    settle_probe(v, started_at=1.1, outstanding_at_start=1, load_pending=0, load_running=4, early_reprobe_s=0.002)
+    assert v.pushed_since_probe == 0
+    v.pending = 6
+    settle_completion(v, samples=4)  # its four slots freed: four waiting ones go in
+    assert v.pending == 2
