@@ -46,7 +46,7 @@ from lb.core.peering import PeerConfig, PeerRouter, PeerStatus
 from lb.core.policies import make_policy
 from lb.core.affinity import AffinityConfig
 from lb.core.loadparse import CACHE_AWARE_POLICIES
-from lb.core.pushing import early_probe_delay, note_preemptions, record_push, settle_completion, settle_probe
+from lb.core.pushing import early_probe_delay, note_preemptions, record_push, settle_completion, settle_end, settle_probe
 from lb.core.fairness import WeightedService, WscConfig
 from lb.core.queueing import make_queue
 from lb.core.tiers import TierConfig
@@ -161,7 +161,7 @@ class SimReplica:
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf
         self.snap: tuple = (0, 0, 0.0, profile.kv_tokens, None, None, None)
-        self.snap_outstanding = 0  # the LB's outstanding count at the snapshot
+        self.snap_outstanding = 0  # the LB's outstanding samples at the snapshot
         self.requests: dict[str, SimRequest] = {}
         self._token = 0  # generation of the pending wake-up
         self._run: DecodeRun | None = None
@@ -210,13 +210,14 @@ class SimReplica:
         if tick > self.snap_tick:
             self.snap_tick = tick
             self.snap = self.engine.probe(tick)
-            # pushes the scheduler counted since the tick have not reached the engine yet
+            # pushes the scheduler counted since the tick have not reached the engine yet (in the
+            # engine's count: each parallel sample one, as `settle_probe` reads it)
             unapplied = 0
-            for t, _, _ in reversed(self.view.push_log):
+            for t, _, samples in reversed(self.view.push_log):
                 if t < tick:
                     break
-                unapplied += 1
-            self.snap_outstanding = self.view.outstanding - unapplied
+                unapplied += samples
+            self.snap_outstanding = self.view.outstanding_samples - unapplied
 
     def probe_at_tick(self, tick: float) -> None:
         """The grid probe at `tick`: the state kept at the tick if it changed since (then the
@@ -224,7 +225,7 @@ class SimReplica:
         if self.snap_tick == tick:
             self.probe_into_view(tick, self.snap, self.snap_outstanding)
         else:
-            self.probe_into_view(tick, self.engine.probe(tick), self.view.outstanding)
+            self.probe_into_view(tick, self.engine.probe(tick), self.view.outstanding_samples)
             log = self.view.push_log
             self.fresh = not log or log[-1][0] <= tick
 
@@ -248,7 +249,7 @@ class SimReplica:
         settle_probe(v, at, outstanding_at, v.pending, v.running, self.lb.cfg.early_reprobe_s)
 
     def probe_now(self) -> None:
-        self.probe_into_view(self.loop.now, self.engine.probe(self.loop.now), self.view.outstanding)
+        self.probe_into_view(self.loop.now, self.engine.probe(self.loop.now), self.view.outstanding_samples)
         self.fresh = True  # no push can be newer than now
 
     def early_probe(self) -> None:
@@ -280,7 +281,7 @@ class SimReplica:
             return
         now = self.loop.now
         self._probe_end = now + self.probe_s
-        self.loop.at(self._probe_end, self._probe_landed, now, self.engine.probe(now), self.view.outstanding)
+        self.loop.at(self._probe_end, self._probe_landed, now, self.engine.probe(now), self.view.outstanding_samples)
 
     def _probe_landed(self, started: float, state: tuple, outstanding_at: int) -> None:
         if self.stopped_at is None and self.view.last_probe_at < started:
@@ -378,7 +379,7 @@ class SimReplica:
             if req.left:  # its other samples still decode: the client has not its whole answer
                 continue
             req.finished_at = now
-            self.view.outstanding -= 1
+            settle_end(self.view, req.samples)
             settle_completion(self.view, req.samples)
             self.mark_stale()
             if req.first_token is not None:  # timed from the push, as the daemon's proxy times it

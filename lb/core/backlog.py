@@ -54,6 +54,7 @@ class _Push:
     x: float  # ahead of it at push, plus its own: the work before its first token
     at: float
     whole: bool = False  # its answer comes back whole: no first token of it reaches the LB
+    samples: int = 1  # its parallel samples: each a request in the engine's counts
 
 
 class Backlog:
@@ -62,10 +63,10 @@ class Backlog:
         self.ahead: dict[str, float] = {}  # target → uncached tokens pushed and not yet answered
         self.ahead_count: dict[str, int] = {}  # target → how many pushes those are
         self._open: OrderedDict[str, _Push] = OrderedDict()  # request id → its push
-        # request id → target of the pushes whose first token came back and that have not
-        # ended, and their count per target: the engine holds them or has finished them, so
-        # none of them is still on its way there (lb.core.pushing.settle_probe)
-        self._answering: OrderedDict[str, str] = OrderedDict()
+        # request id → (target, samples) of the pushes whose first token came back and that have
+        # not ended, and their samples per target: the engine holds them or has finished them,
+        # so none of them is still on its way there (lb.core.pushing.settle_probe)
+        self._answering: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.answering: dict[str, int] = {}
         # (assumed end of prefill, tiebreak, request id, its push): a heap, for pushes not streamed
         self._expiring: list[tuple[float, int, str, _Push]] = []
@@ -90,17 +91,19 @@ class Backlog:
 
     # -- what happens to pushes ---------------------------------------------------------
     def placed(self, request_id: str, target_id: str, tokens: float, now: float,
-               expires_at: float | None = None) -> None:
+               expires_at: float | None = None, samples: int = 1) -> None:
         """`request_id` was pushed to `target_id` now with `tokens` uncached prompt tokens (a
-        retry of the same id replaces its earlier push). `expires_at`: when to assume its
-        prefill done if no first token says so (a request that is not streamed), unless its
-        engine counts its first tokens: then that count says so (`engine_first_tokens`)."""
+        retry of the same id replaces its earlier push) and `samples` parallel samples.
+        `expires_at`: when to assume its prefill done if no first token says so (a request that
+        is not streamed), unless its engine counts its first tokens: then that count says so
+        (`engine_first_tokens`)."""
         self._release(request_id)
         self._unanswer(request_id)
         ahead = self.ahead.get(target_id, 0.0) + tokens
         self.ahead[target_id] = ahead
         self.ahead_count[target_id] = self.ahead_count.get(target_id, 0) + 1
-        push = self._open[request_id] = _Push(target_id, tokens, ahead, now, whole=expires_at is not None)
+        push = self._open[request_id] = _Push(target_id, tokens, ahead, now, whole=expires_at is not None,
+                                              samples=samples)
         if push.whole:
             self.whole_open[target_id] = self.whole_open.get(target_id, 0) + 1
         if push.whole and target_id in self.counted:  # its engine's count says when (`engine_first_tokens`)
@@ -117,8 +120,8 @@ class Backlog:
             return
         if push.target in self.counted:
             self._known[push.target] = self._known.get(push.target, 0) + 1
-        self._answering[request_id] = push.target
-        self.answering[push.target] = self.answering.get(push.target, 0) + 1
+        self._answering[request_id] = (push.target, push.samples)
+        self.answering[push.target] = self.answering.get(push.target, 0) + push.samples
         while len(self._answering) > self.max_tracked:
             self._unanswer(next(iter(self._answering)))
         if now < push.at:
@@ -237,9 +240,10 @@ class Backlog:
         self._unanswer(request_id)
 
     def _unanswer(self, request_id: str) -> None:
-        target = self._answering.pop(request_id, None)
-        if target is not None:
-            left = self.answering[target] - 1
+        answer = self._answering.pop(request_id, None)
+        if answer is not None:
+            target, samples = answer
+            left = self.answering[target] - samples
             if left:
                 self.answering[target] = left
             else:
@@ -253,7 +257,7 @@ class Backlog:
         self.answering.pop(target_id, None)
         for rid in [rid for rid, p in self._open.items() if p.target == target_id]:
             del self._open[rid]
-        for rid in [rid for rid, t in self._answering.items() if t == target_id]:
+        for rid in [rid for rid, (t, _) in self._answering.items() if t == target_id]:
             del self._answering[rid]
 
     def _release(self, request_id: str) -> _Push | None:

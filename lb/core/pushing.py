@@ -268,6 +268,7 @@ def record_push(view: ReplicaView, tokens: int, now: float, samples: int = 1) ->
     one of SP-P's unseen pushes. It is unseen by every probe until `settle_probe` says a
     probe's answer includes it."""
     view.outstanding += 1
+    view.outstanding_samples += samples
     view.pushed_since_probe += samples
     view.pushed_tokens_since_probe += tokens
     log = view.push_log
@@ -315,6 +316,19 @@ def settle_completion(view: ReplicaView, samples: int = 1) -> None:
     view.pending = max(0, view.pending - samples)
 
 
+def pushed_samples(view: ReplicaView, samples: int) -> int:
+    """What a push of `samples` parallel samples counted on `view` (`record_push`): each a request
+    in a replica's engine; one forward to a peer LB, which counts its own."""
+    return 1 if view.engine == "peer" else samples
+
+
+def settle_end(view: ReplicaView, samples: int = 1) -> None:
+    """A request of ours on `view` ended, with `samples` parallel samples (`record_push`): no
+    longer in flight there."""
+    view.outstanding -= 1
+    view.outstanding_samples = max(0, view.outstanding_samples - samples)
+
+
 def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int, load_pending: int | None,
                  load_running: int | None, early_reprobe_s: float, answering_at_start: int = 0,
                  others_at_start: int = 0) -> None:
@@ -330,9 +344,11 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
     a running count, pushes younger than `early_reprobe_s` are assumed still on the wire.
     Unseen pushes are the newest ones, so their tokens are the newest tokens.
 
-    `others_at_start`: the other LB instances' pushes there not answered at the start, as heard
-    (lb.core.instances). The engine's counts hold them too: taken for ours, they hid every push
-    of ours still on the wire from the count."""
+    Counted as the engine counts, each parallel sample a request (`record_push`):
+    `outstanding_at_start` is `view.outstanding_samples` at the start and `answering_at_start`
+    the samples of the answers under way then. `others_at_start`: the other LB instances'
+    pushes there not answered at the start, as heard (lb.core.instances). The engine's counts
+    hold them too: taken for ours, they hid every push of ours still on the wire from the count."""
     log = view.push_log
     while len(log) > view.outstanding:  # only a push still in flight can be unseen
         log.popleft()
@@ -346,14 +362,25 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
             wire += 1
         else:
             break
+    unseen_samples = sum(log[i][2] for i in range(len(log) - after - wire, len(log)))
     if load_running is not None:
-        wire = max(0, min(outstanding_at_start + others_at_start - (load_pending or 0) - load_running,
-                          outstanding_at_start - answering_at_start))
-    unseen = after + wire
-    newest = range(max(0, len(log) - unseen), len(log))
-    # the engine counts each of a push's parallel samples (`record_push`); the count above reads
-    # its running and waiting as ours, so with samples on the wire it finds fewer of them there
-    view.pushed_since_probe = unseen + sum(log[i][2] - 1 for i in newest)
+        on_wire = max(0, min(outstanding_at_start + others_at_start - (load_pending or 0) - load_running,
+                             outstanding_at_start - answering_at_start))
+        wire = _covering(log, len(log) - after, on_wire)
+        unseen_samples = sum(log[i][2] for i in range(len(log) - after, len(log))) + on_wire
+    newest = range(max(0, len(log) - after - wire), len(log))
+    view.pushed_since_probe = unseen_samples
     if view.max_running is None:
         learn_batch_cap(view, load_pending, load_running)
     view.pushed_tokens_since_probe = sum(log[i][1] for i in newest)
+
+
+def _covering(log, end: int, samples: int) -> int:
+    """How many pushes before `end` in the log, the newest first, hold `samples` samples."""
+    count = 0
+    i = end - 1
+    while samples > 0 and i >= 0:
+        samples -= log[i][2]
+        count += 1
+        i -= 1
+    return count + max(0, samples)  # beyond the log (pushes it no longer holds): one sample each

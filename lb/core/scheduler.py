@@ -415,8 +415,9 @@ class Scheduler:
         return target_id in self.backlog.whole_open
 
     def answering(self, target_id: str) -> int:
-        """The target's placed requests whose first token came back and that have not ended:
-        none of them is still on its way there (what `settle_probe` needs at a probe's start)."""
+        """The target's placed requests whose first token came back and that have not ended, each
+        parallel sample one as the engine counts them: none of them is still on its way there
+        (what `settle_probe` needs at a probe's start)."""
         return self.backlog.answering.get(target_id, 0)
 
     def advertise(self, targets: Iterable[Target], now: float) -> dict[str, dict]:
@@ -745,7 +746,7 @@ class Scheduler:
         self.leases.placed(facts)
         predicted = self.policy.last.predicted_ttft_s
         if facts.stream:  # its first event will say when its prefill is done
-            self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now)
+            self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now, samples=facts.samples)
         elif predicted is not None:
             # An answer that comes back whole says nothing until it ends: counted until then it
             # looked like prefill ahead through its whole decode, and left out the replica's
@@ -753,7 +754,7 @@ class Scheduler:
             # all clients not streaming, p90 at 0.9x: bursty 1,997 -> 1,243 ms, mixed-tree
             # 1,048 -> 825, streamed 1,168 and 840; docs/results.md).
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now,
-                                expires_at=now + predicted)
+                                expires_at=now + predicted, samples=facts.samples)
         memory = self.affinity.memory
         if memory is not None:
             tid = target.view.id

@@ -46,6 +46,9 @@ class ReplicaView:
     running: int = 0
     kv_usage: float = 0.0  # 0..1
     outstanding: int = 0
+    # what those are in the engine's own counts: a push of n parallel samples is n requests there
+    # (lb.core.pushing.record_push), which a probe's count of pushes on the wire compares with
+    outstanding_samples: int = 0
     pushed_since_probe: int = 0
     last_probe_at: float = 0.0
     # SP-P's headroom (lb.core.pushing): the engine's free KV tokens and batch cap at the last

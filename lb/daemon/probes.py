@@ -121,7 +121,7 @@ class Prober:
     async def probe_once(self, rep: Replica) -> None:
         t0 = time.monotonic()
         view = rep.view
-        outstanding_at_start = view.outstanding
+        outstanding_at_start = view.outstanding_samples  # as the engine counts (lb.core.pushing.settle_probe)
         answering_at_start = self.registry.answering(rep.id)
         others_at_start = len(view.remote_log)  # the other instances' pushes not answered (lb.daemon.instances)
         load: EngineLoad | None = None

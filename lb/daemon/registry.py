@@ -16,7 +16,7 @@ import aiohttp
 
 from lb.core.breaker import Breaker, State
 from lb.core.health import HealthTracker
-from lb.core.pushing import settle_completion
+from lb.core.pushing import settle_completion, settle_end
 from lb.core.types import ReplicaView
 from lb.daemon.config import Config, ReplicaConfig
 from lb.daemon.tls import upstream_ssl
@@ -160,7 +160,7 @@ class Registry:
 
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
     def completed(self, rep: Replica, samples: int = 1) -> None:
-        rep.view.outstanding -= 1
+        settle_end(rep.view, samples)
         if rep.view.draining and rep.view.outstanding == 0:
             self._finish(rep)
         self.ended(rep, samples)

@@ -423,3 +423,8 @@ def test_answering_counts_each_target_s_requests_from_their_first_token_to_their
     assert b.answering == {"r3": 3}
     b.forget("r3")
     assert b.answering == {}
+    b.placed("n4", "r4", 100, NOW + 4, samples=4)  # parallel samples: the engine runs four
+    b.first_token("n4", NOW + 5)
+    assert b.answering == {"r4": 4}
+    b.ended("n4")
+    assert b.answering == {}

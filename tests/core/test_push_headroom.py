@@ -296,3 +296,21 @@ def test_parallel_samples_reserve_an_answer_each_and_spend_a_push_each():
     v.pending = 6
     settle_completion(v, samples=4)  # its four slots freed: four waiting ones go in
     assert v.pending == 2
+
+
+def test_a_probe_finds_a_push_of_samples_still_on_the_wire_by_the_engine_s_own_count():
+    """The engine counts each parallel sample as a request: what we have in flight is compared
+    with its counts sample for sample. Compared request for request, 3 in flight against 9
+    running said nothing was on the wire, and the 4 samples still on their way spent no headroom."""
+    from lb.core.pushing import record_push, settle_end, settle_probe
+
+    v = view(kv_free_tokens=100_000, max_running=64)
+    record_push(v, 900, now=1.0, samples=8)  # answering: the engine runs its 8 samples
+    record_push(v, 120, now=1.0)  # answering too
+    record_push(v, 480, now=1.5, samples=4)  # still on the wire when the probe starts
+    assert v.outstanding == 3 and v.outstanding_samples == 13
+    settle_probe(v, started_at=2.0, outstanding_at_start=v.outstanding_samples, load_pending=0, load_running=9,
+                 early_reprobe_s=0.002, answering_at_start=9)
+    assert v.pushed_since_probe == 4 and v.pushed_tokens_since_probe == 480
+    settle_end(v, samples=8)
+    assert v.outstanding == 2 and v.outstanding_samples == 5
