@@ -60,8 +60,9 @@ class BestOfN:
         if self.system_max_tokens < self.system_min_tokens:
             raise ValueError("best-of-n: system_max_tokens must be >= system_min_tokens "
                              f"(got {self.system_max_tokens} < {self.system_min_tokens})")
-        weights = tuple(self.n_weights)
-        if len(weights) != len(N_CHOICES) or any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        weights = tuple(self.n_weights) if isinstance(self.n_weights, (list, tuple)) else ()
+        if (len(weights) != len(N_CHOICES) or not all(isinstance(w, (int, float)) and w >= 0 for w in weights)
+                or not sum(weights) > 0):
             raise ValueError(f"best-of-n: n_weights must be {len(N_CHOICES)} shares >= 0 (for n = "
                              f"{', '.join(map(str, N_CHOICES))}) that are not all 0 (got {self.n_weights!r})")
 

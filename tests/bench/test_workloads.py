@@ -272,8 +272,9 @@ def test_best_of_n_sends_what_the_simulator_sends_and_asks_for_parallel_samples(
     shares = {n: sum(s.n == n for s in specs) / len(specs) for n in (1, 4, 8)}
     assert abs(shares[1] - 0.5) < 0.05 and abs(shares[4] - 0.3) < 0.05 and abs(shares[8] - 0.2) < 0.05
     assert abs(live.mean_samples() - 3.3) < 1e-9 and specs[-1].at > 800  # Poisson at 1 req/s
-    with pytest.raises(ValueError, match="best-of-n: n_weights"):
-        make_workload("best-of-n", n_weights=(0, 0, 0))
+    for bad in ((0, 0, 0), (1, 2), 5, ("a", 1, 1)):
+        with pytest.raises(ValueError, match="best-of-n: n_weights"):
+            make_workload("best-of-n", n_weights=bad)
 
 
 def test_long_short_sends_what_the_simulator_sends():
