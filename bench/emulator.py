@@ -35,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from bench.emulator_api import ApiFaces
 from bench.emulator_requests import (ApiError, GenRequest, parse_chat, parse_completion,
                                      parse_generate, parse_json, parse_responses)
-from bench.engine import TTFT_BUCKETS_S, Engine, EngineRequest, Finished, StepResult
+from bench.engine import TTFT_BUCKETS_S, Engine, EngineRequest, Finished, StepResult, sample_ids
 from bench.profiles import PROFILES, Profile, get_profile
 from bench.tokenizer import decode
 
@@ -121,7 +121,7 @@ class Driver:
         prefill-only request to cache the shared prompt; none is needed here: the samples
         arrive in the same step, and the engine computes a prompt shared by requests
         scheduled in one step once (`Engine._shareable`), as vLLM's prefix caching does."""
-        ids = g.sample_ids()
+        ids = sample_ids(g.rid, g.n)
         taken = next((rid for rid in ids if rid in self.streams), None)
         if taken is not None:
             raise ApiError(400, f"Duplicate request id {taken!r}.", "rid")

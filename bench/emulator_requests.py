@@ -42,10 +42,6 @@ class GenRequest:
     min_new_tokens: int = 0  # bench.engine.EngineRequest.min_new_tokens (`min_tokens`)
     n: int = 1  # parallel sampling: this many answers to the one prompt (the API's `n`)
 
-    def sample_ids(self) -> list[str]:
-        """The engine request id of each sample; a single answer keeps the request's own id."""
-        return [self.rid] if self.n == 1 else [f"{self.rid}-{i}" for i in range(self.n)]
-
     def sample_key_of(self, i: int) -> int | None:
         """Sample i's draw: `sample_key` + i, as vLLM seeds child i with `seed + i`
         (v1/engine/parallel_sampling.py), so sample 0 draws what n=1 draws. Greedy decoding

@@ -107,6 +107,13 @@ def answer_ids(key: int, start: int, count: int) -> list[int]:
     return out
 
 
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine request of each of a request's `n` parallel samples (the API's `n`: SGLang's
+    tokenizer manager and vLLM's parallel sampling fan it out into `n` requests with ids of their
+    own); a single answer keeps the request's own id."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
 def answer_key(request_id: str) -> int:
     """The simulator's sample key of a request: its answer is its own (clients sample)."""
     return mmh3.hash64(request_id, signed=False)[0]

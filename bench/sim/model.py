@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from bench.engine import EngineRequest, answer_key
+from bench.engine import EngineRequest, answer_key, sample_ids
 from bench.profiles import Profile
 from bench.sim.core import EventLoop
 from bench.sim.fastengine import DecodeRun, FastEngine
@@ -53,11 +53,6 @@ from lb.core.tiers import TierConfig
 from lb.core.scheduler import Kind, PeerSet, PeerTarget, Scheduler, SchedulerConfig
 from lb.core.types import QueueEntry, ReplicaView, RequestFacts
 from lb.daemon.config import Config
-
-
-def sample_id(request_id: str, i: int) -> str:
-    """The engine request of a request's `i`-th parallel sample; the first keeps the request's id."""
-    return request_id if i == 0 else f"{request_id}#{i}"
 
 
 @dataclass(slots=True)
@@ -309,8 +304,7 @@ class SimReplica:
         # n answers are n engine requests with the one prompt, as SGLang's tokenizer manager and
         # vLLM's parallel sampling hand them to their schedulers; the engine prefills their
         # shared prompt once (`Engine._shareable`), each sample draws its own answer
-        for i in range(req.samples):
-            rid = sample_id(req.id, i)
+        for rid in sample_ids(req.id, req.samples):
             self.requests[rid] = req
             self.engine.submit(EngineRequest(rid, req.prompt,
                                              req.output_tokens if exact else

@@ -331,15 +331,16 @@ def hot_shift_calls(seed: int) -> Iterator[Timed]:
                             HOT_SHIFT_OUTPUT_TOKENS, app="hot-shift", user=f"user-{i % 64}"))
 
 
-def system_prompt_calls(live: Reasoning | BestOfN, ids: str) -> Iterator[Timed]:
+def system_prompt_calls(live: Reasoning | BestOfN, ids: str, samples: Callable[[object], int] = lambda d: 1
+                        ) -> Iterator[Timed]:
     """A live workload's requests of a system prompt and a question (`live.draws()`: the same
     draws), at 1 req/s before scaling; each system prompt one range of token ids, each question
-    its own; user `{ids}-{i % 64}` as the live requests name it."""
+    its own; user `{ids}-{i % 64}` as the live requests name it; `samples(draw)`: its `n`."""
     systems = live.system_lengths()
     for d in live.draws():
         tokens = prefixed_prompt(d.system, systems[d.system], d.i, d.question_tokens, question_shift=14)
         yield Timed(d.at, Call(f"{ids}-{d.i}", "local", tokens, d.answer_tokens, user=f"{ids}-{d.i % 64}",
-                               samples=getattr(d, "samples", 1)))
+                               samples=samples(d)))
 
 
 def reasoning_calls(seed: int) -> Iterator[Timed]:
@@ -349,7 +350,7 @@ def reasoning_calls(seed: int) -> Iterator[Timed]:
 
 def best_of_n_calls(seed: int) -> Iterator[Timed]:
     """The live `best-of-n` workload's requests (bench/workloads/best_of_n.py)."""
-    return system_prompt_calls(BestOfN(seed=seed), "bon")
+    return system_prompt_calls(BestOfN(seed=seed), "bon", lambda d: d.samples)
 
 
 # Long and short prompts on one fleet: the live `long-short` workload's draws

@@ -316,6 +316,13 @@ def settle_completion(view: ReplicaView, samples: int = 1) -> None:
     view.pending = max(0, view.pending - samples)
 
 
+def record_direct(view: ReplicaView) -> None:
+    """A DIRECT call (lb.core.routes) sent to `view`: in flight, so a drain waits for it, but no
+    push SP-P's headroom spends; `settle_end` with one sample gives it back."""
+    view.outstanding += 1
+    view.outstanding_samples += 1
+
+
 def pushed_samples(view: ReplicaView, samples: int) -> int:
     """What a push of `samples` parallel samples counted on `view` (`record_push`): each a request
     in a replica's engine; one forward to a peer LB, which counts its own."""
@@ -362,25 +369,20 @@ def settle_probe(view: ReplicaView, started_at: float, outstanding_at_start: int
             wire += 1
         else:
             break
-    unseen_samples = sum(log[i][2] for i in range(len(log) - after - wire, len(log)))
-    if load_running is not None:
+    unseen = _newest(log, after + wire)
+    view.pushed_since_probe = sum(log[i][2] for i in unseen)
+    if load_running is not None:  # in the engine's count, each parallel sample one
         on_wire = max(0, min(outstanding_at_start + others_at_start - (load_pending or 0) - load_running,
                              outstanding_at_start - answering_at_start))
-        wire = _covering(log, len(log) - after, on_wire)
-        unseen_samples = sum(log[i][2] for i in range(len(log) - after, len(log))) + on_wire
-    newest = range(max(0, len(log) - after - wire), len(log))
-    view.pushed_since_probe = unseen_samples
+        view.pushed_since_probe += on_wire
+        while on_wire > 0 and unseen.start > 0:  # the pushes before `after` that hold them
+            unseen = range(unseen.start - 1, len(log))
+            on_wire -= log[unseen.start][2]
     if view.max_running is None:
         learn_batch_cap(view, load_pending, load_running)
-    view.pushed_tokens_since_probe = sum(log[i][1] for i in newest)
+    view.pushed_tokens_since_probe = sum(log[i][1] for i in unseen)
 
 
-def _covering(log, end: int, samples: int) -> int:
-    """How many pushes before `end` in the log, the newest first, hold `samples` samples."""
-    count = 0
-    i = end - 1
-    while samples > 0 and i >= 0:
-        samples -= log[i][2]
-        count += 1
-        i -= 1
-    return count + max(0, samples)  # beyond the log (pushes it no longer holds): one sample each
+def _newest(log, count: int) -> range:
+    """The indexes of the `count` newest pushes in the log (all of it, if it holds fewer)."""
+    return range(max(0, len(log) - count), len(log))

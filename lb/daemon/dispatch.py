@@ -13,7 +13,6 @@ import itertools
 import time
 from typing import Callable
 
-from lb.core.pushing import pushed_samples
 from lb.core.scheduler import QUEUE_FULL, SHUTTING_DOWN, Kind, Placement, Scheduler, SchedulerConfig
 from lb.core.types import Decision, Policy, QueueEntry, ReplicaView, RequestFacts
 from lb.daemon.config import Config
@@ -155,8 +154,7 @@ class Dispatcher:
             rep, why = await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
         except (asyncio.CancelledError, TimeoutError) as e:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                rep = fut.result()[0]  # placed in the same instant; give it back
-                self.registry.completed(rep, pushed_samples(rep.view, facts.samples))
+                self.registry.completed(fut.result()[0], facts)  # placed in the same instant; give it back
             else:
                 self.scheduler.withdraw(entry)
                 fut.cancel()
@@ -199,7 +197,7 @@ class Dispatcher:
                 self.metrics.decisions.labels(self.policy.name, p.target_id, p.reason).inc()
             fut: asyncio.Future = p.entry.payload
             if fut.done():  # its client left in the same instant: give the slot back
-                self.registry.completed(rep, pushed_samples(rep.view, facts.samples))
+                self.registry.completed(rep, facts)
             else:
                 fut.set_result((rep, Decision(p.target_id, p.reason, p.matched_blocks, p.total_blocks, p.best_blocks)))
         self._gauge()

@@ -27,7 +27,7 @@ from lb.core.continuations import continues
 from lb.core.facts import H_REQUEST_ID, BadRequest, build_facts
 from lb.core.health import RETRYABLE_STATUSES, backoff_delay
 from lb.core.loadparse import usage_from_tail
-from lb.core.pushing import pushed_samples
+from lb.core.pushing import record_direct
 from lb.core.routes import BY_NAME, DIRECT, JSON, MULTIPART, PATH, Route, direct_target
 from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.gate import Gate
@@ -378,7 +378,7 @@ class Proxy:
             finally:
                 self.tracing.end_attempt(span, out)
                 self.hung.finish(attempt)
-                self.registry.completed(rep, 1 if route.dispatch == DIRECT else pushed_samples(rep.view, facts.samples))
+                self.registry.completed(rep, None if route.dispatch == DIRECT else facts)
                 if route.dispatch != DIRECT:  # a DIRECT call was neither charged nor forecast
                     # every attempt was charged at dispatch: correct it with the real token counts
                     self.dispatcher.fairness.completed(facts, time.monotonic(), out.usage)
@@ -406,8 +406,7 @@ class Proxy:
         rep = direct_target(self.registry.active(), facts.model, accepts, tried, time.monotonic())
         if rep is None:
             raise LBError(503, "no healthy replica serves this request right now", code="no_replica", retry_after=1)
-        rep.view.outstanding += 1  # so a drain waits for it; `completed` gives it back
-        rep.view.outstanding_samples += 1
+        record_direct(rep.view)  # so a drain waits for it; `completed` gives it back
         return rep
 
     async def _open(self, rep: Replica, request, body, headers: dict,

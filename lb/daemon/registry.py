@@ -16,8 +16,8 @@ import aiohttp
 
 from lb.core.breaker import Breaker, State
 from lb.core.health import HealthTracker
-from lb.core.pushing import settle_completion, settle_end
-from lb.core.types import ReplicaView
+from lb.core.pushing import pushed_samples, settle_completion, settle_end
+from lb.core.types import ReplicaView, RequestFacts
 from lb.daemon.config import Config, ReplicaConfig
 from lb.daemon.tls import upstream_ssl
 
@@ -159,7 +159,10 @@ class Registry:
         return added, [r for r in removed if r not in added]
 
     # -- request accounting (pushes are counted by the scheduler: lb.core.pushing.record_push) --
-    def completed(self, rep: Replica, samples: int = 1) -> None:
+    def completed(self, rep: Replica, facts: RequestFacts | None = None) -> None:
+        """Our request `facts` on `rep` ended (None: one counted without its samples, a DIRECT
+        call): it is given back as its push counted it (`lb.core.pushing.pushed_samples`)."""
+        samples = 1 if facts is None else pushed_samples(rep.view, facts.samples)
         settle_end(rep.view, samples)
         if rep.view.draining and rep.view.outstanding == 0:
             self._finish(rep)
