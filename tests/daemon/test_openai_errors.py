@@ -25,6 +25,9 @@ def test_sdk_models_and_typed_errors(procs, tmp_path):
         client.chat.completions.create(model="m", messages=MSG, max_tokens=-1)
     assert bad.value.status_code == 400 and bad.value.param == "max_tokens"
     assert bad.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as bad_n:  # parallel samples: a positive integer
+        client.chat.completions.create(model="m", messages=MSG, max_tokens=2, n=0)
+    assert bad_n.value.status_code == 400 and bad_n.value.param == "n"
 
     # RPM limit 1 per tenant: the SDK's `user` names the tenant
     assert client.chat.completions.create(model="m", messages=MSG, max_tokens=2, user="alice").choices
