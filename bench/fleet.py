@@ -90,11 +90,22 @@ def listener_in_group(port: int, pgid: int) -> bool | None:
         try:
             if os.getpgid(int(pid)) != pgid:
                 continue
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
-                return True
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
+        if any(_fd_target(pid, fd) in sockets for fd in fds):
+            return True
     return False
+
+
+def _fd_target(pid: str, fd: str) -> str:
+    # A busy process opens and closes descriptors between the listing and the readlink (a
+    # daemon probing its replicas does every 100 ms): that one descriptor is gone, not the
+    # whole process's answer (CI once read a starting lb as foreign this way).
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def cpu_seconds(pid: int) -> float:

@@ -68,3 +68,22 @@ def test_readiness_answered_by_a_stranger_on_the_port_is_an_error():
         # The stranger itself passes the same check.
         fleet.wait_http(f"http://127.0.0.1:{port}/", 10, stranger.popen)
         assert fleet.listener_in_group(port, stranger.popen.pid) is True
+
+
+def test_a_listener_busy_opening_and_closing_descriptors_is_still_its_own():
+    # A starting lb opens and closes sockets while it probes its replicas; a descriptor closed
+    # between listing /proc/PID/fd and reading it once made CI take lb's own port for a stranger's.
+    port = free_port()
+    busy = Proc([PYTHON, "-c", textwrap.dedent(f"""
+        import http.server, os, threading
+        def churn():
+            while True:
+                fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(64)]
+                for fd in fds:
+                    os.close(fd)
+        threading.Thread(target=churn, daemon=True).start()
+        http.server.HTTPServer(("127.0.0.1", {port}), http.server.SimpleHTTPRequestHandler).serve_forever()
+    """)], f"http://127.0.0.1:{port}/", name="busy-listener")
+    with busy:
+        looks = [fleet.listener_in_group(port, os.getpgid(busy.popen.pid)) for _ in range(200)]
+    assert looks.count(True) == len(looks), f"{looks.count(False)} of {len(looks)} looks said foreign"
