@@ -52,6 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run engine time this many times faster than real time")
     parser.add_argument("--model", help="served model name (default: the profile's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="serve this many LoRA adapters of the model, named lora-0, lora-1, ... (requested "
+                             "as the API's `model`, or /generate's `lora_path`)")
+    parser.add_argument("--max-loras", type=int,
+                        help="LoRA adapters one batch runs (default: vLLM's 1, or SGLang's 8 for an SGLang profile)")
     parser.add_argument("--max-running", type=int, help="cap on running requests")
     parser.add_argument("--kv-tokens", type=int, help="KV cache capacity in tokens")
     parser.add_argument("--decode-reserve", type=int,
@@ -131,7 +136,7 @@ class Driver:
         for i, rid in enumerate(ids):
             self.engine.submit(EngineRequest(rid, g.prompt_ids, max_new, g.ignore_eos,
                                              g.priority, now, sample_key=g.sample_key_of(i),
-                                             min_new_tokens=g.min_new_tokens), now)
+                                             min_new_tokens=g.min_new_tokens, adapter=g.adapter), now)
             stream = self.streams[rid] = Stream(rid, len(g.prompt_ids), event)
             streams.append(stream)
         self._wake.set()
@@ -203,9 +208,10 @@ class Driver:
 
 class Emulator:
     def __init__(self, profile: Profile, model: str, speed: float, seed: int,
-                 max_queued: int | None):
+                 max_queued: int | None, adapters: tuple[str, ...] = ()):
         self.profile = profile
         self.model = model
+        self.adapters = adapters  # LoRA adapters served beside the model (`profile.max_loras` a batch)
         self.seed = seed
         self.max_queued = max_queued
         self.engine = Engine(profile, seed)
@@ -220,8 +226,11 @@ class Emulator:
     # ---- generation ------------------------------------------------------------------------
 
     def _admit(self, g: GenRequest) -> list[Stream]:
-        if g.model is not None and g.model != self.model:
+        if g.model is not None and g.model != self.model and g.model not in self.adapters:
             raise ApiError(404, f"The model `{g.model}` does not exist.", "model")
+        if g.lora_path is not None and g.lora_path not in self.adapters:
+            raise ApiError(400, f"The LoRA adapter `{g.lora_path}` is not loaded.", "lora_path")
+        g.adapter = g.lora_path or (g.model if g.model in self.adapters else None)
         limit = self.engine.max_request_tokens()
         max_new = g.max_new_tokens if g.max_new_tokens is not None else limit - len(g.prompt_ids)
         if len(g.prompt_ids) + max(max_new, 1) > limit:
@@ -315,9 +324,12 @@ class Emulator:
     # ---- SGLang / vLLM control and load ----------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": _START, "owned_by": "sglang",
-            "root": self.model, "max_model_len": self.engine.max_request_tokens()}]})
+        base = {"object": "model", "created": _START, "owned_by": "sglang", "max_model_len": self.engine.max_request_tokens()}
+        # a LoRA adapter's card names its base model as `parent`, and its path as `root` (vLLM's
+        # `/v1/models`; SGLang's lists its adapters the same way)
+        return _json({"object": "list", "data": [
+            {"id": self.model, **base, "root": self.model, "parent": None},
+            *({"id": name, **base, "root": f"/adapters/{name}", "parent": self.model} for name in self.adapters)]})
 
     def _load_entry(self) -> dict:
         load = self.engine.load()
@@ -357,6 +369,8 @@ class Emulator:
             "max_total_num_tokens": p.kv_tokens, "max_running_requests": p.max_running,
             "chunked_prefill_size": p.prefill_budget, "context_length": p.max_model_len,
             "schedule_policy": p.waiting_order,
+            "enable_lora": bool(self.adapters), "max_loras_per_batch": p.max_loras or 8,
+            "lora_paths": {name: f"/adapters/{name}" for name in self.adapters} or None,
             "enable_metrics": True, "enable_cache_report": True, "version": VERSION,
             "internal_states": [{"last_gen_throughput": self.driver.gen_throughput()}],
             "emulator": {"profile": p.name, "speed": self.driver.speed, "seed": self.seed},
@@ -778,6 +792,14 @@ class _MetricsCollector:
         yield counter("vllm:prefix_cache_hits", "Prefix cache hit tokens", c.prefix_hits, engine)
         yield counter("vllm:num_preemptions", "Preemptions", c.preemptions, engine)
         yield self._ttft_histogram("vllm:time_to_first_token_seconds", c, engine)
+        if emu.adapters:
+            # vLLM's LoRA info gauge: no model label, its value the time it was set (one series
+            # here; vLLM leaves each earlier set of adapters behind as a stale series of its own)
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(load.max_loras), ",".join(load.waiting_adapters), ",".join(load.running_adapters)],
+                            time.time())
+            yield lora
 
     def _ttft_histogram(self, name: str, c, extra: dict) -> HistogramMetricFamily:
         """The engine's TTFTs as both engines publish them, in wall seconds (engine time over
@@ -795,12 +817,26 @@ class _MetricsCollector:
 # ---- process -----------------------------------------------------------------------------
 
 
+def lora_options(count: int, max_loras: int | None, *, sglang: bool) -> tuple[tuple[str, ...], int | None]:
+    """(adapter names, adapters a batch runs) for `--lora-adapters` and `--max-loras`; the
+    engines' defaults: vLLM `--max-loras` 1, SGLang `--max-loras-per-batch` 8."""
+    if count < 0:
+        raise SystemExit("--lora-adapters must be 0 or more")
+    if max_loras is not None and (max_loras < 1 or not count):
+        raise SystemExit("--max-loras must be at least 1, and needs --lora-adapters")
+    if not count:
+        return (), None
+    return tuple(f"lora-{k}" for k in range(count)), max_loras or (8 if sglang else 1)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    profile = get_profile(args.profile).with_overrides(
+    profile = get_profile(args.profile)
+    adapters, max_loras = lora_options(args.lora_adapters, args.max_loras, sglang=profile.new_token_ratio is not None)
+    profile = profile.with_overrides(
         kv_tokens=args.kv_tokens, max_running=args.max_running,
         decode_reserve=args.decode_reserve, prefill_budget=args.prefill_budget,
-        admit_within_budget=args.admit_within_budget or None)
-    emu = Emulator(profile, args.model or profile.model, args.speed, args.seed, args.max_queued)
+        admit_within_budget=args.admit_within_budget or None, max_loras=max_loras)
+    emu = Emulator(profile, args.model or profile.model, args.speed, args.seed, args.max_queued, adapters)
     emu.echo_headers = args.echo_headers
     # handler_cancellation: a client disconnect cancels its handler, which aborts the request
     runner = web.AppRunner(emu.app(), handler_cancellation=True, access_log=None)

@@ -41,6 +41,8 @@ class GenRequest:
     sample_key: int | None = None  # bench.engine.EngineRequest.sample_key (`sample_key` below)
     min_new_tokens: int = 0  # bench.engine.EngineRequest.min_new_tokens (`min_tokens`)
     n: int = 1  # parallel sampling: this many answers to the one prompt (the API's `n`)
+    lora_path: str | None = None  # SGLang's /generate: the LoRA adapter it runs with
+    adapter: str | None = None  # the LoRA adapter it runs with, once the emulator has resolved its name
 
     def sample_key_of(self, i: int) -> int | None:
         """Sample i's draw: `sample_key` + i, as vLLM seeds child i with `seed + i`
@@ -115,8 +117,9 @@ def _common(body: dict, prompt_ids: list[int], max_new: int | None, ignore_eos: 
     min_new = _typed(options, "min_new_tokens" if params is not None else "min_tokens", int, "an integer", 0)
     if min_new < 0:
         raise ApiError(400, "'min_tokens' must be at least 0.", "min_tokens")
+    lora_path = _typed(body, "lora_path", str, "a string") if params is not None else None
     return GenRequest(rid, prompt_ids, max_new, ignore_eos, priority, stream, include_usage, model,
-                      sample_key(options), min_new, n)
+                      sample_key(options), min_new, n, lora_path)
 
 
 def _openai_options(body: dict) -> tuple[int | None, bool, bool, bool, int]:

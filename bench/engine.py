@@ -152,6 +152,10 @@ class EngineRequest:
     # a benchmark client can dictate an answer's length without declaring it as `max_tokens`
     # (bench.workloads.base.EXACT); 0: the lognormal length below.
     min_new_tokens: int = 0
+    # The LoRA adapter the request runs with (the API's `model` naming an adapter); None: the
+    # base model. Its KV is its own: engines key the prefix cache by adapter (vLLM's block
+    # hashes take the LoRA id as an extra key; SGLang's radix tree is split by `lora_id`).
+    adapter: str | None = None
 
 
 @dataclass
@@ -235,6 +239,11 @@ class EngineLoad:
     waiting_prompt_tokens: int
     max_running: int | None
     counters: Counters
+    # LoRA: the adapters of the running and of the waiting requests, and how many one batch runs
+    # (vLLM's `vllm:lora_requests_info` labels running_lora_adapters, waiting_lora_adapters, max_lora)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    max_loras: int | None = None
 
     @property
     def token_usage(self) -> float:
@@ -271,10 +280,11 @@ class PrefixCache:
     def referenced_tokens(self) -> int:
         return self._referenced * self.block_size
 
-    def block_keys(self, tokens: list[int], start_keys: list[int], n_blocks: int) -> list[int]:
-        """Extend `start_keys` (keys of the first blocks) to `n_blocks` chained keys."""
+    def block_keys(self, tokens: list[int], start_keys: list[int], n_blocks: int, root: int = 0) -> list[int]:
+        """Extend `start_keys` (keys of the first blocks) to `n_blocks` chained keys; `root`
+        seeds the chain (an adapter's own, so its blocks never match another's)."""
         keys, b = start_keys, self.block_size
-        parent = keys[-1] if keys else 0
+        parent = keys[-1] if keys else root
         for i in range(len(keys), n_blocks):
             parent = hash((parent, tuple(tokens[i * b:(i + 1) * b])))
             keys.append(parent)
@@ -535,7 +545,14 @@ class Engine:
             waiting_prompt_tokens=sum(len(s.tokens) for s in self._waiting),
             max_running=self.profile.max_running,
             counters=replace(self.counters, ttft_buckets=list(self.counters.ttft_buckets)),
+            running_adapters=_adapters(self._running),
+            waiting_adapters=_adapters(self._waiting),
+            max_loras=self.profile.max_loras,
         )
+
+    def adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters of the running and of the waiting requests."""
+        return _adapters(self._running), _adapters(self._waiting)
 
     def is_waiting(self, request_id: str) -> bool:
         seq = self._by_id.get(request_id)
@@ -546,7 +563,8 @@ class Engine:
     def _keys(self, seq: _Seq, n_blocks: int) -> list[int]:
         """`seq`'s first `n_blocks` block keys (extending the ones it has)."""
         if not seq.req.unique_prompt:
-            return self.cache.block_keys(seq.tokens, seq.keys, n_blocks)
+            adapter = seq.req.adapter
+            return self.cache.block_keys(seq.tokens, seq.keys, n_blocks, hash(("lora", adapter)) if adapter else 0)
         keys = seq.keys  # (request number, block number): unique in this engine
         for i in range(len(keys), n_blocks):
             keys.append(hash((-1, seq.no, i)))
@@ -622,11 +640,17 @@ class Engine:
             reserved = sum(max(1, min(r, s.req.max_new_tokens) - len(s.tokens) + s.prompt_len) for s in self._running)
         order = self._admission_order()  # self._waiting itself, or a sorted copy
         budget = self._budget_left() if p.admit_within_budget else None
+        adapters = {s.req.adapter for s in self._running if s.req.adapter} if p.max_loras is not None else None
         i = 0
         while i < len(order) and (p.max_running is None or len(self._running) < p.max_running):
             if budget is not None and budget <= 0:
                 break
             seq = order[i]
+            adapter = seq.req.adapter
+            if adapters is not None and adapter and adapter not in adapters:
+                if len(adapters) >= p.max_loras:
+                    i += 1  # one adapter too many for this batch: skipped, the queue goes on
+                    continue
             # leave at least the last token to compute: the engine needs its logits
             seq.keys = self._keys(seq, (len(seq.tokens) - 1) // b)
             matched = self.cache.match(seq.keys)
@@ -659,6 +683,8 @@ class Engine:
             seq.admit_no = next(self._order)
             seq.fresh = True
             self._running.append(seq)
+            if adapters is not None and adapter:
+                adapters.add(adapter)
             reserved += reservation
             if seq.admitted:
                 seq.readmitted = True
@@ -793,3 +819,7 @@ class Engine:
         self._enqueue(seq)
         self.counters.preemptions += 1
         self.counters.preempted_since_log += 1
+
+
+def _adapters(seqs: list[_Seq]) -> tuple[str, ...]:
+    return tuple(sorted({s.req.adapter for s in seqs if s.req.adapter}))

@@ -51,6 +51,12 @@ class Profile:
     # them; then the simulated LB re-probes after every push and answer, which a daemon facing
     # a costly endpoint does not (`lb.core.scheduler.wants_probe`, `probes.max_probe_share`).
     probe_s: float = 0.0
+    # LoRA serving: how many adapters one batch runs (vLLM `--max-loras`, default 1; SGLang
+    # `--max-loras-per-batch`, default 8). A waiting request whose adapter would make one more
+    # is skipped until a running request of another adapter ends (vllm/v1/core/sched/
+    # scheduler.py "max_loras constraint"; sglang scheduler.py `can_run_lora_batch`, a LoRA
+    # request skipped, not the queue stopped, in current releases). None: no limit.
+    max_loras: int | None = None
     output_median: int = 134  # without ignore_eos: lognormal output length (Azure conv median)
     output_sigma: float = 0.9
     source: str = ""

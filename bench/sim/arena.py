@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -27,7 +28,7 @@ from bench.sim.peer_policies import PeerPolicy, PeerRequest
 from bench.sim.world import CHARS_PER_TOKEN, prefix_chain_params, token_chain, token_prefix_hash
 from bench.stats import RequestRecord
 from bench.workloads.base import EXACT, check_max_tokens, declared_max_tokens
-from lb.core.prefix import PREFIX_HASHER
+from lb.core.prefix import PREFIX_HASHER, chain_salt
 from lb.core.types import RequestFacts, Tier
 
 
@@ -64,6 +65,9 @@ class FleetSpec:
     # profile instead (another engine's scheduler on the same hardware: a fleet of vLLM and
     # SGLang replicas side by side, as during a migration); its slow replicas are slowed too.
     alt_profile: str | None = None
+    # None: no LoRA adapters. Else every replica serves the base model and every adapter, and one
+    # batch runs at most this many adapters (`Profile.max_loras`)
+    max_loras: int | None = None
 
     def one_way(self, a: str, b: str) -> float:
         if a == b:
@@ -74,6 +78,12 @@ class FleetSpec:
     @property
     def replicas(self) -> int:
         return sum(r.replicas for r in self.regions)
+
+
+def adapter_token(adapter: str) -> int:
+    """A token id standing for a LoRA adapter ahead of its prompt (outside every prompt's ids), so
+    a peer router's prefix index, kept per model, never matches one adapter's prompt to another's."""
+    return (1 << 40) + zlib.crc32(adapter.encode())
 
 
 def slowed(profile: Profile, factor: float) -> Profile:
@@ -117,6 +127,7 @@ class Call:
     tier: Tier = Tier.IW_N
     app: str | None = None  # the X-LB-App header live clients send (bench.workloads.base.RequestSpec.app)
     samples: int = 1  # the body's `n`: answers sampled in parallel, each `output_tokens` long
+    adapter: str | None = None  # the LoRA adapter its `model` names (every replica serves the base and all adapters)
 
 
 class PeerFront:
@@ -136,6 +147,8 @@ class PeerFront:
         if policy.scrape_interval_s is not None:  # a router that polls the engines: on its own period
             self.cfg.probe_interval_s = policy.scrape_interval_s
         policy.bind(self.scraped)
+        if hasattr(policy, "bind_lora"):
+            policy.bind_lora(self.scraped_lora)
         self.replicas: dict[str, SimReplica] = {}
         self.order: list[str] = []
         self.inflight: dict[str, int] = {}
@@ -148,6 +161,17 @@ class PeerFront:
         rep = self.replicas[worker]
         state = rep.snap if rep.snap_tick == self.tick_at(self.loop.now) else rep.engine.probe()
         return state[0], state[2]
+
+    def scraped_lora(self, worker: str) -> tuple[frozenset, frozenset, int]:
+        """(adapters running, adapters waiting, max LoRAs) of `worker`'s engine, as vLLM's
+        `vllm:lora_requests_info` says them at the router's last poll; none from an SGLang engine,
+        whose metrics do not name them."""
+        engine = self.replicas[worker].engine
+        p = engine.profile
+        if p.max_loras is None or p.new_token_ratio is not None:
+            return frozenset(), frozenset(), 0
+        running, waiting = engine.adapters()
+        return frozenset(running), frozenset(waiting), p.max_loras
 
     def tick_at(self, t: float) -> float:
         i = self.cfg.probe_interval_s
@@ -163,7 +187,10 @@ class PeerFront:
 
     def arrive(self, req: SimRequest, call: Call) -> None:
         now = self.loop.now
-        peer_req = PeerRequest(call.request_id, call.tokens, session=call.session, user=call.user)
+        # A router that keeps one prefix index per model (SGLang Router's per-model trees; llm-d
+        # hashes the model into a prompt's first block): an adapter's prompts are its own
+        tokens = call.tokens if call.adapter is None else [adapter_token(call.adapter), *call.tokens]
+        peer_req = PeerRequest(call.request_id, tokens, session=call.session, user=call.user, adapter=call.adapter)
         target = self.policy.choose(peer_req, self.order, self.inflight, now)
         self.inflight[target] += 1
         rep = self.replicas[target]
@@ -248,8 +275,9 @@ class Arena:
         self.stream = stream  # False: every client asks for whole answers: the LB sees no first token
         self._rng = random.Random(f"http-{seed}-{jitter_seed}")
         self.loop = EventLoop()
-        self.profile = get_profile(fleet.profile)
-        self.alt_profile = None if fleet.alt_profile is None else get_profile(fleet.alt_profile)
+        lora = {"max_loras": fleet.max_loras}
+        self.profile = get_profile(fleet.profile).with_overrides(**lora)
+        self.alt_profile = None if fleet.alt_profile is None else get_profile(fleet.alt_profile).with_overrides(**lora)
         self.callbacks: dict[str, tuple[Call, float, Callable[[Done], None]]] = {}
         self.arrived: dict[str, SimRequest] = {}  # requests in flight that reached their front
         self.done: list[Done] = []
@@ -305,7 +333,7 @@ class Arena:
     def _arrive(self, call: Call) -> None:
         now = self.loop.now
         req = SimRequest(call.request_id, call.region, self.model, call.user or "anonymous", now,
-                         call.tokens, call.output_tokens, samples=call.samples)
+                         call.tokens, call.output_tokens, samples=call.samples, adapter=call.adapter)
         self.arrived[req.id] = req
         front, _ = self._front_of(call.region)
         req.facts = RequestFacts(request_id=call.request_id, model=self.model, prompt_tokens=len(call.tokens),
@@ -314,7 +342,7 @@ class Arena:
                                  arrival=now, user=call.user, session=call.session,
                                  interaction_id=call.interaction_id, interaction_stage=call.stage,
                                  final_call=call.final, tier=call.tier, stream=self.stream, app=call.app,
-                                 samples=call.samples)
+                                 samples=call.samples, adapter=call.adapter)
         if isinstance(front, PeerFront):
             front.arrive(req, call)
             return
@@ -327,7 +355,7 @@ class Arena:
         a prompt's text (nothing when `lb`'s policy keeps no prefix memory)."""
         if self.chain_params is not None:
             block_chars, isolate = self.chain_params
-            salt = (facts.user or "") if isolate else None
+            salt = chain_salt(facts, isolate)
             facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
                 tokens, max(1, block_chars // CHARS_PER_TOKEN), salt)
             facts.extra[PREFIX_HASHER] = (8 * len(tokens), lambda n: token_prefix_hash(tokens, n))

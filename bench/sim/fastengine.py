@@ -111,9 +111,9 @@ class FastEngine(Engine):
         self.collapsed_steps += j
         self._busy_until = run.step_start(j)
 
-    def probe(self, at: float | None = None) -> tuple[int, int, float, int, int | None, int | None, int | None]:
+    def probe(self, at: float | None = None) -> tuple:
         """(waiting, running, KV usage, free KV tokens, preemptions, retracted lately, first
-        tokens): what a load endpoint reports. A vLLM-like engine's /metrics has the preemption
+        tokens, running LoRA adapters): what a load endpoint reports. A vLLM-like engine's /metrics has the preemption
         counter and its TTFT histogram's count; SGLang's /v1/loads the retractions of its last
         stats window (`queues.retracted`), its /metrics the count (`SimReplica.probe_into_view`
         reads it only where the daemon would). `at`: when it answers (the first tokens of a step
@@ -123,4 +123,8 @@ class FastEngine(Engine):
         vllm = self.profile.new_token_ratio is None
         return (len(self._waiting), len(self._running), used / total, total - used,
                 c.preemptions if vllm else None, None if vllm else c.retracted_last_window,
-                c.ttfts if at is None else self.first_tokens_by(at))
+                c.ttfts if at is None else self.first_tokens_by(at),
+                # vLLM's /metrics names the running LoRA adapters (`vllm:lora_requests_info`);
+                # SGLang's load endpoints name none
+                frozenset(s.req.adapter for s in self._running if s.req.adapter)
+                if vllm and self.profile.max_loras is not None else frozenset())

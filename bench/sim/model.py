@@ -67,6 +67,7 @@ class SimRequest:
     unique_prompt: bool = False  # no other request shares a block of it (EngineRequest.unique_prompt)
     facts: RequestFacts | None = None
     samples: int = 1  # parallel sampling (the API's `n`): answers decoded side by side, each its own engine request
+    adapter: str | None = None  # the LoRA adapter it runs with (EngineRequest.adapter)
     outputs: int = 0  # tokens of its answers ended so far
     left: int = 0  # its answers still running on its replica
     cached: int = 0  # of its prompt, found cached: the least any of its samples found (the one that computed it)
@@ -151,11 +152,12 @@ class SimReplica:
         self.view = ReplicaView(id=id, url=f"sim://{id}", engine="sglang", models=frozenset([model]),
                                 region=region, healthy=ready_at <= loop.now,
                                 max_running=profile.max_running, kv_total_tokens=profile.kv_tokens,
-                                orders_by_prefix=profile.waiting_order in CACHE_AWARE_POLICIES)
+                                orders_by_prefix=profile.waiting_order in CACHE_AWARE_POLICIES,
+                                max_loras=profile.max_loras)
         self.draining = False
         self.breaker = None  # the simulated engines do not fail requests
         self.snap_tick = -math.inf
-        self.snap: tuple = (0, 0, 0.0, profile.kv_tokens, None, None, None)
+        self.snap: tuple = (0, 0, 0.0, profile.kv_tokens, None, None, None, frozenset())
         self.snap_outstanding = 0  # the LB's outstanding samples at the snapshot
         self.requests: dict[str, SimRequest] = {}
         self._token = 0  # generation of the pending wake-up
@@ -224,13 +226,12 @@ class SimReplica:
             log = self.view.push_log
             self.fresh = not log or log[-1][0] <= tick
 
-    def probe_into_view(self, at: float, state: tuple[int, int, float, int, int | None, int | None],
-                        outstanding_at: int) -> None:
+    def probe_into_view(self, at: float, state: tuple, outstanding_at: int) -> None:
         """What the daemon's probe loop writes (`lb.daemon.probes`): the engine's counts, its
         KV room (SGLang /v1/loads), its preemptions and first tokens (vLLM /metrics) or retractions
         lately (SGLang /v1/loads), and the LB's pushes the probe cannot have seen yet."""
         v = self.view
-        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately, first_tokens = state
+        v.pending, v.running, v.kv_usage, v.kv_free_tokens, preempted, lately, first_tokens, v.running_adapters = state
         # vLLM's /metrics says it at every probe; SGLang's /v1/loads does not, so the daemon reads
         # its /metrics too while pushes answered whole wait there, else keeps the last count
         # (lb.core.engines.FIRST_TOKENS_PAGE)
@@ -312,7 +313,8 @@ class SimReplica:
                                              ignore_eos=exact, arrival=now, unique_prompt=req.unique_prompt,
                                              # a unique prompt's answer is never sent back: no draw to make
                                              sample_key=None if req.unique_prompt else answer_key(rid),
-                                             min_new_tokens=0 if exact else req.output_tokens), now)
+                                             min_new_tokens=0 if exact else req.output_tokens,
+                                             adapter=req.adapter), now)
         self._schedule(now)
 
     def push_unscheduled(self, req: SimRequest) -> None:

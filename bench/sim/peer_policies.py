@@ -42,9 +42,13 @@ class PeerRequest:
     tokens: Sequence[int]  # the rendered prompt, standing in for its text
     session: str | None = None  # X-LB-Session
     user: str | None = None  # X-LB-User and the body's `user`
+    adapter: str | None = None  # the LoRA adapter its `model` names
 
 
 Scrape = Callable[[str], tuple[int, float]]  # worker -> (requests waiting in its engine, KV usage 0..1)
+# worker -> (LoRA adapters running, adapters waiting, how many one batch runs): vLLM's
+# `vllm:lora_requests_info` as last scraped; nothing from an engine whose metrics name none
+ScrapeLora = Callable[[str], tuple[frozenset, frozenset, int]]
 
 
 class PeerPolicy(Protocol):
@@ -395,16 +399,34 @@ class LlmdScorers(Blind):
     scrape_interval_s = 0.05
 
     def __init__(self, *, seed: int = 0, block: int = 16, max_blocks: int = 256, lru_blocks: int = 31_250,
-                 prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0, **_: object):
+                 prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0,
+                 lora_weight: float = 1.0, **_: object):
         self.rng = random.Random(seed)
         self.block, self.max_blocks, self.lru_blocks = block, max_blocks, lru_blocks
         self.weights = (prefix_weight, queue_weight, kv_weight)
+        self.lora_weight = lora_weight
         self.holders: dict[int, set[str]] = {}  # block hash -> servers the index has it for
         self.lru: dict[str, OrderedDict[int, None]] = {}  # server -> its block hashes, oldest first
         self.scrape: Scrape | None = None
+        self.scrape_lora: ScrapeLora | None = None
 
     def bind(self, scrape: Scrape) -> None:
         self.scrape = scrape
+
+    def bind_lora(self, scrape_lora: ScrapeLora) -> None:
+        self.scrape_lora = scrape_lora
+
+    def lora_score(self, adapter: str, worker: str) -> float:
+        """`lora-affinity-scorer` (the profile a pool serving LoRA adapters enables it in, as
+        KServe does for one; weight `lora_weight`): 1 where the adapter runs, 0.8 where a slot is
+        free (running and waiting adapters together below the engine's `max_lora`), 0.6 where it
+        waits, else 0."""
+        running, waiting, limit = self.scrape_lora(worker)
+        if adapter in running:
+            return 1.0
+        if len(running | waiting) < limit:
+            return 0.8
+        return 0.6 if adapter in waiting else 0.0
 
     def chain(self, tokens: Sequence[int]) -> list[int]:
         return block_chain(tokens, self.block, self.max_blocks)
@@ -437,6 +459,9 @@ class LlmdScorers(Blind):
     def choose(self, req, workers, inflight, now):
         chain = self.chain(req.tokens)
         scores = self.scores(chain, workers)
+        if req.adapter is not None and self.scrape_lora is not None:
+            for w in workers:
+                scores[w] += self.lora_weight * self.lora_score(req.adapter, w)
         order = list(workers)
         self.rng.shuffle(order)
         target = max(order, key=scores.__getitem__)  # the first of the shuffled maxima

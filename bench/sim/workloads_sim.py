@@ -27,6 +27,7 @@ from bench.workloads import long_short, make_workload, random_dataset
 from bench.workloads.agent import Agent
 from bench.workloads.base import rng_for
 from bench.workloads.best_of_n import BestOfN
+from bench.workloads.multi_lora import MAX_LORAS, MultiLora, adapter_name
 from bench.workloads.reasoning import Reasoning
 from bench.workloads.servegen import ServeGen, labelled, tenant_arrivals
 
@@ -353,6 +354,17 @@ def best_of_n_calls(seed: int) -> Iterator[Timed]:
     return system_prompt_calls(BestOfN(seed=seed), "bon", lambda d: d.samples)
 
 
+def multi_lora_calls(seed: int) -> Iterator[Timed]:
+    """The live `multi-lora` workload's requests (bench/workloads/multi_lora.py): each adapter's
+    system prompt one range of token ids (its KV its own in the engine: `Call.adapter`)."""
+    live = MultiLora(seed=seed)
+    systems = live.system_lengths()
+    for d in live.draws():
+        tokens = prefixed_prompt(d.adapter, systems[d.adapter], d.i, d.question_tokens, question_shift=14)
+        yield Timed(d.at, Call(f"lora-{d.i}", "local", tokens, d.answer_tokens, user=f"lora-{d.i % 64}",
+                               adapter=adapter_name(d.adapter)))
+
+
 # Long and short prompts on one fleet: the live `long-short` workload's draws
 # (bench/workloads/long_short.py says what and why), each system prompt one range of token ids,
 # each question and each document its own.
@@ -442,6 +454,11 @@ register(Workload("best-of-n", "Chat beside parallel sampling: 16 apps' system p
                   "sampled in parallel (a best-of-n reranker), ~200 tokens each, Poisson arrivals (open loop); held "
                   "out: added after the policy was settled, 4 L4 replicas",
                   ONE_REGION, "replay", calls=best_of_n_calls, natural_rps=lambda: 1.0))
+register(Workload("multi-lora", f"One base model serving 32 LoRA adapters (fine-tunes), Zipf-popular, each with its "
+                  f"own system prompt of 300-900 tokens, ~150-token questions and answers; each batch runs at most "
+                  f"{MAX_LORAS} adapters, Poisson arrivals (open loop); held out: added after the policy was settled, "
+                  "4 L4 replicas", dataclasses.replace(ONE_REGION, max_loras=MAX_LORAS), "replay",
+                  calls=multi_lora_calls, natural_rps=lambda: 1.0))
 register(Workload("heterogeneous", "Tree of Thoughts (2-branch) on 4 L4 replicas of which 2 are 2x slower",
                   HETEROGENEOUS, "programs", program=TOT, requests_per_program=15))
 register(Workload("regions", "Tree of Thoughts (2-branch) from 3 regions (us/eu/asia, arrivals 2:1:1, "

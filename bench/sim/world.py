@@ -38,6 +38,7 @@ from bench.sim.core import EventLoop
 from bench.sim.metrics import MINUTE, Metrics, Slo
 from bench.sim.model import LBConfig, SimLB, SimReplica, SimRequest
 from lb.core.affinity import AffinityConfig
+from lb.core.prefix import chain_salt
 from lb.core.types import RequestFacts
 
 TOKEN_SPACE = 1 << 20  # distinct token ids per request: prompts never collide by accident
@@ -275,7 +276,7 @@ class Simulation:
                                  max_tokens=output_tokens, arrival=t, user=tenant, stream=True)
         if self.chain_params is not None:  # what prefix-trie / cache-aware read (lb.core.prefix)
             block_chars, isolate = self.chain_params
-            salt = tenant if isolate else None
+            salt = chain_salt(req.facts, isolate)
             req.facts.extra[("lb.prefix.chain", block_chars, salt)] = token_chain(
                 prompt, max(1, block_chars // CHARS_PER_TOKEN), salt) if shares_prefix or self.unique_chains_matter else ()
         self.metrics.arrival(t, f"{region}/{model}", region)

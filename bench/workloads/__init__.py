@@ -14,6 +14,7 @@ from bench.workloads.base import ClosedLoopWorkload, OpenLoopWorkload, RequestSp
 from bench.workloads.long_short import LongShort
 from bench.workloads.mixed_tree import MixedTree
 from bench.workloads.mooncake import Mooncake
+from bench.workloads.multi_lora import MultiLora
 from bench.workloads.multiturn import MultiTurn
 from bench.workloads.random_dataset import RandomDataset
 from bench.workloads.reasoning import Reasoning
@@ -34,6 +35,7 @@ WORKLOADS: dict[str, Callable[..., object]] = {
     "long-short": LongShort,
     "random": RandomDataset,
     "best-of-n": BestOfN,
+    "multi-lora": MultiLora,
 }
 
 

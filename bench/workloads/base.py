@@ -80,6 +80,7 @@ class RequestSpec:
     at: float = 0.0  # open loop: arrival, seconds from the start of the replay (unscaled)
     delay_s: float = 0.0  # closed loop: sent this long after its parent's answer (a tool's run; unscaled)
     n: int = 1  # parallel sampling: this many answers of `max_tokens` each (the API's `n`)
+    adapter: str | None = None  # a LoRA adapter's name, sent as the body's `model` (None: the run's model)
     meta: dict = field(default_factory=dict)  # workload-specific facts (tree path, trace row)
 
     def headers(self, lb: bool = True) -> dict[str, str]:
@@ -99,7 +100,7 @@ class RequestSpec:
         """The request's JSON; `declared`: what the client declares as max_tokens (EXACT below).
         Not declared exactly, the answer's length goes as `min_tokens` instead, which engines
         accept and the emulator ends its answer at (bench.engine.EngineRequest.min_new_tokens)."""
-        body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
+        body = {"model": self.adapter or model, "messages": self.messages, "max_tokens": self.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos and declared != EXACT:
             # the live client does not tokenize: a cap is kept to the context by whoever picks it

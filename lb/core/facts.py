@@ -7,7 +7,7 @@ names them so the daemon strips them before anything reads or forwards them.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 from lb.core.prefix import CHARS_PER_TOKEN
 from lb.core.routes import BY_NAME
@@ -69,8 +69,12 @@ def prompt_text(route: str, body: dict) -> str:
     return ""
 
 
-def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: str, now: float) -> RequestFacts:
+def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: str, now: float,
+                is_adapter: Callable[[str], bool] | None = None) -> RequestFacts:
     """`headers` must be case-insensitive (or lower-case keyed). Raises BadRequest.
+    `is_adapter`: whether a model name is a LoRA adapter some replica serves (its card names a
+    parent); the request then runs with it (lb.core.adapters), as does SGLang's /generate with a
+    `lora_path`.
 
     Identity fields keep their defaults here; `lb.core.identity` fills them.
     """
@@ -102,9 +106,13 @@ def build_facts(route: str, body: dict, headers: Mapping[str, str], request_id: 
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
         raise BadRequest("`n` must be a positive integer", "n")
     text = prompt_text(route, body)
+    adapter = model if model and is_adapter is not None and is_adapter(model) else None
+    if route == "generate" and isinstance(body.get("lora_path"), str) and body["lora_path"]:
+        adapter = body["lora_path"]
     return RequestFacts(
         request_id=request_id,
         model=model,
+        adapter=adapter,
         prompt=text,
         prompt_tokens=len(text) // CHARS_PER_TOKEN,  # a tokenizer-free estimate; engines report the truth
         max_tokens=max_tokens,

@@ -28,6 +28,10 @@ class EngineLoad:
     reserves: bool = False  # it reserves KV for answers at admission (SGLang), so preempts only short of its estimate
     # the first tokens it has produced since it started (its TTFT histogram's count)
     first_tokens: int | None = None
+    # LoRA (vLLM's `vllm:lora_requests_info`): the adapters its batch runs, and how many it may
+    # (None where the endpoint does not say)
+    running_adapters: frozenset[str] | None = None
+    max_loras: int | None = None
 
 
 def _dp_ranks(value: object) -> list[dict]:
@@ -128,6 +132,16 @@ def orders_by_prefix(server_info: bytes) -> bool:
     return isinstance(policy, str) and policy in CACHE_AWARE_POLICIES
 
 
+def lora_limit(server_info: bytes) -> int | None:
+    """SGLang `GET /server_info`: how many LoRA adapters one batch runs (`max_loras_per_batch`)
+    where it serves any (`enable_lora`, or adapters in `lora_paths`); None otherwise."""
+    doc = orjson.loads(server_info)
+    if not isinstance(doc, dict) or not (doc.get("enable_lora") is True or doc.get("lora_paths")):
+        return None
+    limit = doc.get("max_loras_per_batch")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
 def _metrics_parser(pending: str, running: str, kv: str | None, kv_scale: float = 1.0,
                     preemptions: str | None = None, reserves: bool = False,
                     first_tokens: str | None = None) -> Callable[[bytes], EngineLoad]:
@@ -199,6 +213,30 @@ def _vllm_kv(text: bytes) -> tuple[float | None, int | None, int | None]:
     return max(usage.values()), (max(free) if free else None), (sum(capacity.values()) if capacity else None)
 
 
+_VLLM_LORA_INFO = b"vllm:lora_requests_info"
+
+
+def _vllm_lora(text: bytes) -> tuple[frozenset[str] | None, int | None]:
+    """(the LoRA adapters running, max LoRAs a batch runs) from vLLM's `/metrics`: the info gauge
+    `vllm:lora_requests_info` (labels `running_lora_adapters`, comma-separated, and `max_lora`;
+    vllm/v1/metrics/loggers.py). Its value is the time it was set, and each set of adapters seen
+    stays a series of its own, so the newest series is the present one."""
+    newest, at = None, -1.0
+    for labels, value in samples(text, _VLLM_LORA_INFO):
+        try:
+            t = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if t > at:
+            newest, at = labels, t
+    if newest is None:
+        return None, None
+    limit = _label(newest, b"max_lora")
+    running = _label(newest, b"running_lora_adapters") or b""
+    return (frozenset(a for a in running.decode("utf-8", "replace").split(",") if a),
+            int(limit) if limit and limit.isdigit() and int(limit) > 0 else None)
+
+
 def parse_vllm_metrics(body: bytes) -> EngineLoad:
     """vLLM `/metrics`: waiting and running summed over engines, KV usage and free KV tokens
     (`_vllm_kv`) so SP-P's headroom works as it does for SGLang's `/v1/loads`, and the first
@@ -209,11 +247,13 @@ def parse_vllm_metrics(body: bytes) -> EngineLoad:
         raise ValueError("/metrics has no vllm:num_requests_waiting")
     kv_usage, kv_free, kv_total = _vllm_kv(body)
     running = vals.get("vllm:num_requests_running")
+    adapters, max_loras = _vllm_lora(body)
     return EngineLoad(pending=int(vals["vllm:num_requests_waiting"]),
                 running=None if running is None else int(running),
                 kv_usage=kv_usage, kv_free_tokens=kv_free, kv_total_tokens=kv_total,
                 preemptions=vals.get("vllm:num_preemptions_total"),
-                first_tokens=int(vals[_VLLM_FIRST_TOKENS]) if _VLLM_FIRST_TOKENS in vals else None)
+                first_tokens=int(vals[_VLLM_FIRST_TOKENS]) if _VLLM_FIRST_TOKENS in vals else None,
+                running_adapters=adapters, max_loras=max_loras)
 
 
 parse_llamacpp_metrics = _metrics_parser("llamacpp:requests_deferred", "llamacpp:requests_processing", None)

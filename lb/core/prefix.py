@@ -59,10 +59,19 @@ def _chain_of(data: bytes, block_chars: int, salt: str | None) -> Chain:
 _PROMPT_BYTES = "lb.prefix.prompt_bytes"
 
 
+def chain_salt(req: RequestFacts, isolate_tenants: bool) -> str | None:
+    """What a request's chain starts from: its tenant where tenants are isolated, and its LoRA
+    adapter, whose KV no other adapter's request shares (lb.core.adapters); None for neither."""
+    tenant = (req.user or "") if isolate_tenants else None
+    if req.adapter is None:
+        return tenant
+    return f"lora:{req.adapter}" if tenant is None else f"lora:{req.adapter}\x00{tenant}"
+
+
 def request_chain(req: RequestFacts, block_chars: int = DEFAULT_BLOCK_CHARS, isolate_tenants: bool = False) -> Chain:
     """The request's chain, hashed once and cached on the facts for every later caller (with
     the prompt's size in bytes, which `prompt_bytes` then reads without encoding it again)."""
-    salt = (req.user or "") if isolate_tenants else None
+    salt = chain_salt(req, isolate_tenants)
     key = ("lb.prefix.chain", block_chars, salt)
     chain = req.extra.get(key)
     if chain is None:

@@ -66,6 +66,7 @@ import math
 from enum import Enum
 from typing import Iterable, Protocol, Sequence
 
+from lb.core.adapters import Adapters
 from lb.core.admission import QueuedWork
 from lb.core.affinity import AffinityConfig, AffinityScheduler
 from lb.core.backlog import Backlog
@@ -314,6 +315,7 @@ class Scheduler:
         self.queued_work = QueuedWork()  # their tokens as admission counts them (lb.core.admission)
         self.backlog = Backlog()  # prefill ahead per target, and the TTFT it predicts
         self.decoding = Decoding()  # the KV the answers under way hold per target: not cache
+        self.adapters = Adapters()  # the LoRA adapters our requests run per target
 
     def reconfigure(self, cfg: SchedulerConfig) -> None:
         """New limits (a config reload); the queue, its order and the policy stay."""
@@ -339,6 +341,8 @@ class Scheduler:
         if self.cfg.max_queue is not None and len(self.queue) >= self.cfg.max_queue:
             return Placement(entry, Kind.REJECT, reason=QUEUE_FULL)
         self.recognize(entry.facts, now)  # before the queue: a continuation keeps its interaction's rank there
+        if entry.facts.adapter is not None:  # only where its adapter can run now (lb.core.adapters)
+            entry.accepts = self.adapters.limit(entry.accepts, entry.facts.adapter)
         self.queue.push(entry)
         self._count(entry, 1)
         self.leases.arrived(entry.facts)
@@ -408,6 +412,7 @@ class Scheduler:
         self.backlog.ended(request_id)
         self.decoding.ended(request_id)
         self.leases.ended(request_id)
+        self.adapters.ended(request_id)
 
     def wants_first_tokens(self, target_id: str) -> bool:
         """Pushes answered whole wait on the target: a probe whose load endpoint does not count
@@ -744,6 +749,7 @@ class Scheduler:
         self._take(entry)
         record_push(target.view, push_tokens(facts, self.cfg.decode_reserve), now, facts.samples)
         self.leases.placed(facts)
+        self.adapters.placed(facts.request_id, target.view.id, facts.adapter)
         predicted = self.policy.last.predicted_ttft_s
         if facts.stream:  # its first event will say when its prefill is done
             self.backlog.placed(facts.request_id, target.view.id, self._uncached(facts), now, samples=facts.samples)

@@ -41,6 +41,11 @@ class ReplicaView:
     engine: str = "openai"  # auto (until detected) | sglang | vllm | llamacpp | openai | peer
     models: frozenset[str] = frozenset()
     region: str = "local"
+    # LoRA (lb.core.adapters): how many adapters one batch runs (None: no limit known) and which
+    # ones its last probe saw running
+    max_loras: int | None = None
+    running_adapters: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()  # of `models`, those that are LoRA adapters (their cards name a parent)
     healthy: bool = True
     pending: int = 0
     running: int = 0
@@ -123,6 +128,9 @@ class RequestFacts:
     # Parallel sampling (the body's `n`): the engine prefills the prompt once and decodes this
     # many answers side by side, each of up to `max_tokens`, each a request in its own counts
     samples: int = 1
+    # the LoRA adapter it runs with (its `model` names one a replica serves; lb.core.adapters),
+    # None for a base model
+    adapter: str | None = None
     stream: bool = False
     arrival: float = 0.0
     user: str | None = None

@@ -177,7 +177,8 @@ class Jobs:
                 raise LBError(413, "request body is too large", code="body_too_large")
             try:
                 url, body, custom_id = parse_submission(doc)
-                facts = build_facts(JOB_URLS[url], body, request.headers, rid, time.monotonic())
+                facts = build_facts(JOB_URLS[url], body, request.headers, rid, time.monotonic(),
+                                    self.proxy.registry.is_adapter)
             except BadRequest as e:
                 raise LBError(400, str(e), code="invalid_request", param=e.param)
             proxy = self.proxy
@@ -280,7 +281,7 @@ class Jobs:
     def _facts(self, job: Job) -> RequestFacts:
         # Deadlines run from submission, across restarts: wall age mapped onto this monotonic clock.
         arrival = time.monotonic() - max(0.0, time.time() - job.created_at)
-        facts = build_facts(job.route, job.body, {}, job.id, arrival)
+        facts = build_facts(job.route, job.body, {}, job.id, arrival, self.proxy.registry.is_adapter)
         return replace(facts, tier=Tier.NIW, **job.identity)
 
     async def _run(self, job: Job) -> None:

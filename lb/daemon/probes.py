@@ -24,7 +24,7 @@ import orjson
 
 from lb.core.engines import (KEEP_LAST, LIVENESS, LOAD_ENDPOINTS, first_tokens_source, SHAPE_ERRORS, Detected, detection_due, detection_paths,
                              engine_from_answers, queue_order_due)
-from lb.core.loadparse import EngineLoad, orders_by_prefix
+from lb.core.loadparse import EngineLoad, lora_limit, orders_by_prefix
 from lb.core.pushing import early_probe_delay, note_preemptions, probe_gap, settle_probe
 from lb.daemon.config import ProbeConfig
 from lb.daemon.registry import Registry, Replica
@@ -164,6 +164,9 @@ class Prober:
                 view.kv_free_tokens, view.max_running = load.kv_free_tokens, load.max_running
                 view.kv_total_tokens, view.engine_first_tokens = load.kv_total_tokens, load.first_tokens
                 note_preemptions(view, load.preemptions, t0, lately=load.retracted_lately, reserves=load.reserves)
+                view.running_adapters = load.running_adapters or frozenset()
+                if load.max_loras is not None:  # else what its server arguments said (`_discover_policy`)
+                    view.max_loras = load.max_loras
             else:
                 view.kv_free_tokens = view.max_running = view.kv_total_tokens = view.engine_first_tokens = None
             pending, running = (load.pending, load.running) if load is not None else (None, None)
@@ -230,21 +233,24 @@ class Prober:
     async def _discover_models(self, rep: Replica) -> None:
         try:
             doc = orjson.loads(await self._get(rep, "/v1/models"))
-            ids = frozenset(m["id"] for m in doc["data"] if isinstance(m, dict) and isinstance(m.get("id"), str))
+            cards = [m for m in doc["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (ConnectionError, ProbeFailed, ValueError, KeyError, TypeError):
             return  # not every engine lists models (e.g. /generate-only); serve any model
-        rep.view.models = ids
+        rep.view.models = frozenset(m["id"] for m in cards)
+        # a LoRA adapter's card names its base model as `parent` (vLLM, SGLang): lb.core.adapters
+        rep.view.adapters = frozenset(m["id"] for m in cards if isinstance(m.get("parent"), str) and m["parent"])
         rep.models_known = True
 
     async def _discover_policy(self, rep: Replica) -> None:
         """How the engine orders its waiting queue (`ReplicaView.orders_by_prefix`), from SGLang's
         server arguments (when: `queue_order_due`); other engines admit in arrival order. A
         replica that did not answer is asked again at its next probe."""
-        view, ordered = rep.view, False
+        view, ordered, loras = rep.view, False, None
         if view.engine == "sglang":
             for path in SERVER_INFO:
                 try:
-                    ordered = orders_by_prefix(await self._get(rep, path))
+                    info = await self._get(rep, path)
+                    ordered, loras = orders_by_prefix(info), lora_limit(info)
                 except ConnectionError:
                     return
                 except ProbeFailed:  # a release that serves the other path
@@ -252,6 +258,7 @@ class Prober:
                 except ValueError:  # not JSON: nothing said, arrival order
                     pass
                 break
+            view.max_loras = loras  # vLLM says its own at every probe (`vllm:lora_requests_info`)
         view.orders_by_prefix, rep.policy_known = ordered, view.engine
 
 

@@ -287,7 +287,7 @@ class Proxy:
     async def _handle(self, request: web.Request, route: Route, rid: str, t0: float, out: Outcome) -> web.StreamResponse:
         body, doc = await self._body(request, route)
         try:
-            facts = build_facts(route.name, doc, request.headers, rid, t0)
+            facts = build_facts(route.name, doc, request.headers, rid, t0, self.registry.is_adapter)
         except BadRequest as e:
             raise LBError(400, str(e), code="invalid_request", param=e.param)
         if self.peer_links is not None:  # 401 for a bad peer signature; hops=1 for a peer's forward

@@ -89,6 +89,10 @@ class Registry:
     def models(self) -> set[str]:
         return {m for r in self.active() for m in r.view.models}
 
+    def is_adapter(self, model: str) -> bool:
+        """True if some active replica serves `model` as a LoRA adapter (lb.core.adapters)."""
+        return any(model in r.view.adapters for r in self.active())
+
     def lists_model(self, model: str) -> bool:
         """True if some active replica names `model` among the models it serves."""
         return any(model in r.view.models for r in self.active())

@@ -339,3 +339,33 @@ def test_parallel_samples_run_as_engine_requests_and_abort_together():
         conn.close()  # the client walks away: every sample is aborted
         poll(lambda: load(url)["num_reqs"] == 0, what="the samples to be aborted")
         assert metrics(url)["sglang:num_aborted_requests_total"] == 4
+
+
+def test_lora_adapters_are_models_with_a_parent_and_a_batch_runs_max_loras_of_them():
+    with emulator("--speed", "1", "--model", "tiny-llama", "--lora-adapters", "3", "--max-loras", "1") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        cards = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+        assert cards == {"tiny-llama": None, "lora-0": "tiny-llama", "lora-1": "tiny-llama", "lora-2": "tiny-llama"}
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="lora-9", messages=MSG, max_tokens=2)
+        # lora-0 decodes; lora-1 would be a second adapter in a batch of one: it waits
+        busy = open_stream(url, "/v1/chat/completions", {"model": "lora-0", "messages": MSG, "max_tokens": 300,
+                                                         "ignore_eos": True})
+        try:
+            busy.getresponse().readline()
+            second = open_stream(url, "/v1/chat/completions", {"model": "lora-1", "messages": MSG, "max_tokens": 2})
+            poll(lambda: load(url)["num_waiting_reqs"] == 1, what="lora-1's request waiting")
+            # the base model takes no slot: it runs at once beside lora-0
+            assert client.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=2).choices
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+            (info,) = families["vllm:lora_requests_info"].samples
+            assert info.labels == {"max_lora": "1", "running_lora_adapters": "lora-0", "waiting_lora_adapters": "lora-1"}
+            status, server = call("GET", url + "/server_info")
+            assert server["enable_lora"] is True and server["max_loras_per_batch"] == 1
+            # SGLang's /generate names its adapter as `lora_path`
+            status, body = call("POST", url + "/generate", {"text": "hi", "lora_path": "lora-7"})
+            assert status == 400 and body["error"]["param"] == "lora_path"
+        finally:
+            busy.close()
+        second.getresponse().read()  # once lora-0's request left, lora-1's ran

@@ -578,3 +578,28 @@ def test_simulated_clients_read_back_the_answer_the_engine_gave():
 
     assert encode(output_text("tot-c1-t0-root", 64)) == answer_ids(answer_key("tot-c1-t0-root"), 0, 64)
     assert output_text("tot-c1-t0-root", 64) != output_text("tot-c2-t0-root", 64)
+
+
+def test_a_batch_runs_at_most_max_loras_adapters_and_skips_one_more_without_blocking_the_queue():
+    e = Engine(replace(TINY, max_loras=2))
+    for i, adapter in enumerate(("p", "q", "s", "p", None)):
+        e.submit(EngineRequest(f"r{i}", prompt(20, i), 5, ignore_eos=True, adapter=adapter), 0.0)
+    e.step(0.0)
+    load = e.load()
+    # s would be a third adapter: skipped; p's second request and the base model's run beside
+    assert e.is_waiting("r2") and not any(e.is_waiting(f"r{i}") for i in (0, 1, 3, 4))
+    assert (load.running_adapters, load.waiting_adapters, load.max_loras) == (("p", "q"), ("s",), 2)
+    end, steps = run_until_idle(e)
+    assert set(outputs(steps)) >= {"r2"}  # once p's or q's requests ended, s ran
+
+
+def test_an_adapters_kv_is_its_own_in_the_prefix_cache():
+    e = Engine(TINY)
+    shared = prompt(64, 7)
+    e.submit(EngineRequest("a", shared, 1, ignore_eos=True, adapter="p"), 0.0)
+    run_until_idle(e)
+    cached = {}
+    for rid, adapter in (("same", "p"), ("other", "q"), ("base", None)):
+        e.submit(EngineRequest(rid, shared, 1, ignore_eos=True, adapter=adapter), 1.0)
+        cached[rid] = e._by_id[rid].cached_tokens  # admitted at once: what it found cached
+    assert cached["same"] > 0 and cached["other"] == 0 and cached["base"] == 0

@@ -885,3 +885,33 @@ def test_parallel_samples_run_as_engine_requests_and_come_back_as_one_answer(sys
     [d] = done
     assert d.output_tokens == 4 * 50 and d.prompt_tokens == 600
     assert d.cached_tokens < 600  # its prompt was computed once, by one of the samples: not found cached
+
+
+def test_a_lora_request_waits_in_lb_where_no_batch_can_take_its_adapter_and_an_engine_would_skip_it():
+    """On `multi-lora`'s fleet each batch runs at most MAX_LORAS adapters: with every replica's
+    slots taken, a request for one more adapter waits in lb's queue and in no engine's; llm-d,
+    which pushes blindly, leaves it waiting in an engine. Its adapter's KV is its own there."""
+    from bench.sim import compare
+    from bench.sim.arena import Call
+    from bench.workloads.multi_lora import MAX_LORAS
+
+    def fill(system: str):
+        arena = compare.make_arena("multi-lora", system, 0)
+        done = []
+        replicas = [r for front in arena.fronts.values() for r in front.replicas.values()]
+        for k in range(MAX_LORAS * len(replicas)):  # every slot of every replica: one adapter each
+            arena.send(Call(f"fill-{k}", "local", list(range((k + 1) << 20, ((k + 1) << 20) + 200)), 400,
+                            user="u", adapter=f"a{k}"), done.append)
+        arena.loop.run(2.0)
+        arena.send(Call("late", "local", list(range(1 << 30, (1 << 30) + 200)), 4, user="u", adapter="late"),
+                   done.append)
+        arena.loop.run(3.0)
+        return arena, replicas, done
+
+    arena, replicas, done = fill("lb")
+    assert all(len(r.engine.adapters()[0]) == MAX_LORAS for r in replicas)  # every slot runs an adapter
+    assert sum(r.engine.load().num_waiting for r in replicas) == 0 and len(arena.fronts["local"].queue) == 1
+    arena.loop.run(120.0)
+    assert "late" in {d.req.id for d in done}  # served once a slot freed
+    arena, replicas, _ = fill("llm-d default-scorers")
+    assert sum(r.engine.load().num_waiting for r in replicas) == 1  # skipped in an engine's queue

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import os
 
 import pytest
@@ -167,7 +168,7 @@ def test_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="tot"):
         make_workload("nope")
     assert set(WORKLOADS) == {"tot", "mixed-tree", "multiturn", "azure-conv", "mooncake", "servegen", "shared-prefix", "agent",
-                              "reasoning", "long-short", "random", "best-of-n"}
+                              "reasoning", "long-short", "random", "best-of-n", "multi-lora"}
 
 
 @pytest.mark.parametrize("name", ["azure-conv", "mooncake"])
@@ -275,6 +276,25 @@ def test_best_of_n_sends_what_the_simulator_sends_and_asks_for_parallel_samples(
     for bad in ((0, 0, 0), (1, 2), 5, ("a", 1, 1)):
         with pytest.raises(ValueError, match="best-of-n: n_weights"):
             make_workload("best-of-n", n_weights=bad)
+
+
+def test_multi_lora_sends_what_the_simulator_sends_each_request_naming_its_adapter():
+    from bench.sim.workloads_sim import multi_lora_calls
+
+    live = make_workload("multi-lora", seed=2)
+    specs = list(itertools.islice(live.arrivals(), 1000))
+    calls = [t.call for t in itertools.islice(multi_lora_calls(2), 1000)]
+    systems = live.system_lengths()
+    for spec, call in zip(specs, calls):
+        system, question = (len(m["content"].split()) for m in spec.messages)
+        assert system == systems[spec.meta["adapter"]]  # one system prompt per adapter
+        assert system + question == len(call.tokens) and spec.max_tokens == call.output_tokens
+        assert spec.adapter == call.adapter == f"lora-{spec.meta['adapter']}" == spec.body("base")["model"]
+    counts = Counter(s.adapter for s in specs)
+    assert len(counts) > 24 and counts["lora-0"] > 3 * counts["lora-3"] > 0  # 32 adapters, Zipf-popular
+    assert specs[-1].at > 800  # Poisson at 1 req/s
+    with pytest.raises(ValueError, match="multi-lora: system_max_tokens"):
+        make_workload("multi-lora", system_min_tokens=500, system_max_tokens=400)
 
 
 def test_long_short_sends_what_the_simulator_sends():

@@ -1,0 +1,70 @@
+"""LoRA adapters through a real `lb` over two emulators on vLLM's face, each serving three
+adapters with a batch of one adapter (`--max-loras 1`), probed 10 s apart: between probes only
+`lb`'s own count of the adapters it has under way where stands between a request and an engine
+that would skip it. `lb` learns which models are adapters from `/v1/models` (their cards name a
+parent) and how many a batch runs from `vllm:lora_requests_info`. While lora-0 and lora-1 each
+decode on a replica, a request for lora-2 waits in `lb`'s queue and in neither engine's, a
+request for lora-0 still runs at once beside its own, and lora-2's is answered once a slot frees.
+Pushed on as before, lora-2's request waited in an engine."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+from openai import OpenAI
+
+from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
+from tests.daemon.test_parallel_samples import SLOW_PROBES, lb_queue
+from tests.procs import poll
+
+pytestmark = needs_emulator
+
+MSG = [{"role": "user", "content": "a question for a fine-tune"}]
+
+
+def engine_load(url: str) -> tuple[int, int]:
+    with urllib.request.urlopen(url + "/get_load", timeout=5) as r:
+        ranks = json.loads(r.read())
+    return sum(x["num_reqs"] - x["num_waiting_reqs"] for x in ranks), sum(x["num_waiting_reqs"] for x in ranks)
+
+
+def test_a_request_for_an_adapter_no_batch_can_take_waits_in_lb_not_in_an_engine(procs, tmp_path):
+    emus = []
+    for i in range(2):
+        proc, url = start_emulator("--speed", "1", "--lora-adapters", "3", "--max-loras", "1", name=f"emu{i}")
+        procs.append(proc)
+        emus.append(url)
+    cfg = tmp_path / "lb.toml"
+    cfg.write_text("".join(f'[[replicas]]\nurl = "{u}"\nengine = "vllm"\n\n' for u in emus) + SLOW_PROBES)
+    lb = start_lb(config=cfg)
+    procs.append(lb.proc)
+    client = OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert {m.id for m in client.models.list().data} == {"m", "lora-0", "lora-1", "lora-2"}
+
+    def decode(adapter: str):
+        stream = client.chat.completions.create(model=adapter, messages=MSG, max_tokens=300, stream=True,
+                                                extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # decoding now
+        return chunks
+
+    long_ones = [decode("lora-0"), decode("lora-1")]
+    assert sorted(engine_load(u) for u in emus) == [(1, 0), (1, 0)]  # one adapter on each replica
+    answers: dict[str, int] = {}
+
+    def short(adapter: str) -> None:
+        answer = client.chat.completions.create(model=adapter, messages=MSG, max_tokens=4)
+        answers[adapter] = len(answer.choices)
+
+    late = threading.Thread(target=short, args=("lora-2",))
+    late.start()
+    poll(lambda: lb_queue(lb.url) == 1, what="lora-2's request waiting in lb's queue")
+    assert [w for _, w in map(engine_load, emus)] == [0, 0]  # in no engine's queue
+    short("lora-0")  # behind it in lb's queue, lora-0's own request runs beside lora-0 at once
+    assert answers == {"lora-0": 1} and lb_queue(lb.url) == 1
+    for chunks in long_ones:
+        for _ in chunks:
+            pass
+    late.join(timeout=60)
+    assert answers == {"lora-0": 1, "lora-2": 1}  # once a slot freed, lora-2's was answered
