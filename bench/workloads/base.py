@@ -12,6 +12,7 @@ Everything is deterministic per seed: same seed, same requests (given the same o
 from __future__ import annotations
 
 import functools
+import math
 import random
 import sys
 from dataclasses import dataclass, field
@@ -164,6 +165,18 @@ def require_whole(workload: object, *keys: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{workload.name}: {key} must be a whole number (got {value!r}); "
                              f"e.g. --param {key}={getattr(type(workload), key)}")
+
+
+def fixed_lengths(name: str, count: int, low: int, high: int) -> list[int]:
+    """`count` lengths drawn uniformly from [low, high], the same for every seed: the fixed
+    system prompts (apps, adapters) a fleet serves whatever the day's arrivals."""
+    sizes = rng_for(0, name, "sizes")
+    return [sizes.randint(low, high) for _ in range(count)]
+
+
+def lognormal_tokens(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    """A token count drawn lognormal around `median`, kept within [low, high]."""
+    return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def rng_for(seed: int, *key: object) -> random.Random:

@@ -19,11 +19,11 @@ every sample alike); real samples of one prompt end at different lengths.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from bench.workloads.base import RequestSpec, pseudo_text, require_positive, require_whole, rng_for
+from bench.workloads.base import (RequestSpec, fixed_lengths, lognormal_tokens, pseudo_text, require_positive,
+                                  require_whole, rng_for)
 
 QUESTION_SIGMA, ANSWER_SIGMA = 0.6, 0.6
 MIN_QUESTION, MAX_QUESTION, MIN_ANSWER, MAX_ANSWER = 16, 1000, 16, 1024
@@ -68,8 +68,7 @@ class BestOfN:
 
     def system_lengths(self) -> list[int]:
         """The apps' system prompts' lengths: the same for every seed (a fleet serves fixed apps)."""
-        sizes = rng_for(0, "best-of-n", "sizes")
-        return [sizes.randint(self.system_min_tokens, self.system_max_tokens) for _ in range(self.apps)]
+        return fixed_lengths("best-of-n", self.apps, self.system_min_tokens, self.system_max_tokens)
 
     def mean_samples(self) -> float:
         weights = tuple(self.n_weights)
@@ -83,9 +82,9 @@ class BestOfN:
         while True:
             t += rng.expovariate(self.total_rps)
             app = rng.choices(range(self.apps), popularity)[0]
-            question = _lognormal(rng, self.question_median, QUESTION_SIGMA, MIN_QUESTION, MAX_QUESTION)
+            question = lognormal_tokens(rng, self.question_median, QUESTION_SIGMA, MIN_QUESTION, MAX_QUESTION)
             samples = rng.choices(N_CHOICES, self.n_weights)[0]
-            answer = _lognormal(rng, self.answer_median, ANSWER_SIGMA, MIN_ANSWER, MAX_ANSWER)
+            answer = lognormal_tokens(rng, self.answer_median, ANSWER_SIGMA, MIN_ANSWER, MAX_ANSWER)
             yield Draw(i, t, app, question, samples, answer)
             i += 1
 
@@ -98,7 +97,3 @@ class BestOfN:
                           {"role": "user", "content": pseudo_text(f"best-of-n-question/{self.seed}/{d.i}", d.question_tokens)}],
                 max_tokens=d.answer_tokens, n=d.samples, user=f"bon-{d.i % 64}", at=d.at,
                 meta={"system": d.system, "samples": d.samples})
-
-
-def _lognormal(rng, median: int, sigma: float, low: int, high: int) -> int:
-    return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))

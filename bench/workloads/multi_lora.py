@@ -17,11 +17,11 @@ adapter is no hit for another. Synthetic and held out: added after `lb`'s policy
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from bench.workloads.base import RequestSpec, pseudo_text, require_positive, require_whole, rng_for
+from bench.workloads.base import (RequestSpec, fixed_lengths, lognormal_tokens, pseudo_text, require_positive,
+                                  require_whole, rng_for)
 
 QUESTION_SIGMA, ANSWER_SIGMA = 0.6, 0.6
 MIN_QUESTION, MAX_QUESTION, MIN_ANSWER, MAX_ANSWER = 16, 1000, 16, 1024
@@ -66,8 +66,7 @@ class MultiLora:
 
     def system_lengths(self) -> list[int]:
         """The adapters' system prompts' lengths: the same for every seed (a fleet serves fixed adapters)."""
-        sizes = rng_for(0, "multi-lora", "sizes")
-        return [sizes.randint(self.system_min_tokens, self.system_max_tokens) for _ in range(self.adapters)]
+        return fixed_lengths("multi-lora", self.adapters, self.system_min_tokens, self.system_max_tokens)
 
     def draws(self) -> Iterator[Draw]:
         """The requests' shapes, in arrival order, without end."""
@@ -77,8 +76,8 @@ class MultiLora:
         while True:
             t += rng.expovariate(self.total_rps)
             adapter = rng.choices(range(self.adapters), popularity)[0]
-            question = _lognormal(rng, self.question_median, QUESTION_SIGMA, MIN_QUESTION, MAX_QUESTION)
-            answer = _lognormal(rng, self.answer_median, ANSWER_SIGMA, MIN_ANSWER, MAX_ANSWER)
+            question = lognormal_tokens(rng, self.question_median, QUESTION_SIGMA, MIN_QUESTION, MAX_QUESTION)
+            answer = lognormal_tokens(rng, self.answer_median, ANSWER_SIGMA, MIN_ANSWER, MAX_ANSWER)
             yield Draw(i, t, adapter, question, answer)
             i += 1
 
@@ -91,7 +90,3 @@ class MultiLora:
                           {"role": "user", "content": pseudo_text(f"multi-lora-question/{self.seed}/{d.i}", d.question_tokens)}],
                 max_tokens=d.answer_tokens, user=f"lora-{d.i % 64}", at=d.at, adapter=adapter_name(d.adapter),
                 meta={"adapter": d.adapter})
-
-
-def _lognormal(rng, median: int, sigma: float, low: int, high: int) -> int:
-    return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))

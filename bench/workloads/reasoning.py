@@ -11,11 +11,11 @@ The simulator's `reasoning` workload sends the same requests (`Reasoning.draws`)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from bench.workloads.base import RequestSpec, pseudo_text, require_positive, require_whole, rng_for
+from bench.workloads.base import (RequestSpec, fixed_lengths, lognormal_tokens, pseudo_text, require_positive,
+                                  require_whole, rng_for)
 
 QUESTION_SIGMA, ANSWER_SIGMA = 0.8, 0.9
 MIN_QUESTION, MAX_QUESTION, MIN_ANSWER = 16, 1500, 32
@@ -55,8 +55,7 @@ class Reasoning:
 
     def system_lengths(self) -> list[int]:
         """The system prompts' lengths: the same for every seed (a fleet serves fixed applications)."""
-        sizes = rng_for(0, "reasoning", "sizes")
-        return [sizes.randint(self.system_min_tokens, self.system_max_tokens) for _ in range(self.system_prompts)]
+        return fixed_lengths("reasoning", self.system_prompts, self.system_min_tokens, self.system_max_tokens)
 
     def draws(self) -> Iterator[Draw]:
         """The requests' shapes, in arrival order, without end."""
@@ -68,9 +67,8 @@ class Reasoning:
         while True:
             t += rng.expovariate(self.total_rps)
             k = rng.choices(choices, weights)[0]
-            q = min(MAX_QUESTION, max(MIN_QUESTION, round(rng.lognormvariate(math.log(self.question_median), QUESTION_SIGMA))))
-            room = self.context - systems[k] - q
-            answer = min(room, max(MIN_ANSWER, round(rng.lognormvariate(math.log(self.answer_median), ANSWER_SIGMA))))
+            q = lognormal_tokens(rng, self.question_median, QUESTION_SIGMA, MIN_QUESTION, MAX_QUESTION)
+            answer = lognormal_tokens(rng, self.answer_median, ANSWER_SIGMA, MIN_ANSWER, self.context - systems[k] - q)
             yield Draw(i, t, k, q, answer)
             i += 1
 
