@@ -56,7 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="serve this many LoRA adapters of the model, named lora-0, lora-1, ... (requested "
                              "as the API's `model`, or /generate's `lora_path`)")
     parser.add_argument("--max-loras", type=int,
-                        help="LoRA adapters one batch runs (default: vLLM's 1, or SGLang's 8 for an SGLang profile)")
+                        help="LoRA adapters one batch runs (default: vLLM's 1, or SGLang's 8 for an SGLang profile); "
+                             "alone, LoRA on with no adapter until one is loaded (POST /v1/load_lora_adapter)")
     parser.add_argument("--max-running", type=int, help="cap on running requests")
     parser.add_argument("--kv-tokens", type=int, help="KV cache capacity in tokens")
     parser.add_argument("--decode-reserve", type=int,
@@ -211,7 +212,8 @@ class Emulator:
                  max_queued: int | None, adapters: tuple[str, ...] = ()):
         self.profile = profile
         self.model = model
-        self.adapters = adapters  # LoRA adapters served beside the model (`profile.max_loras` a batch)
+        # LoRA adapters served beside the model, name -> path (`profile.max_loras` a batch)
+        self.adapters: dict[str, str] = {name: f"/adapters/{name}" for name in adapters}
         self.seed = seed
         self.max_queued = max_queued
         self.engine = Engine(profile, seed)
@@ -323,13 +325,39 @@ class Emulator:
 
     # ---- SGLang / vLLM control and load ----------------------------------------------------
 
+    def model_card(self, name: str) -> dict:
+        """`name`'s card: a LoRA adapter's names its base model as `parent`, and its path as
+        `root` (vLLM's `/v1/models`; SGLang's lists its adapters the same way)."""
+        adapter = name in self.adapters
+        return {"id": name, "object": "model", "created": _START, "owned_by": "sglang",
+                "root": self.adapters[name] if adapter else name, "parent": self.model if adapter else None,
+                "max_model_len": self.engine.max_request_tokens()}
+
     async def models(self, request: web.Request) -> web.Response:
-        base = {"object": "model", "created": _START, "owned_by": "sglang", "max_model_len": self.engine.max_request_tokens()}
-        # a LoRA adapter's card names its base model as `parent`, and its path as `root` (vLLM's
-        # `/v1/models`; SGLang's lists its adapters the same way)
-        return _json({"object": "list", "data": [
-            {"id": self.model, **base, "root": self.model, "parent": None},
-            *({"id": name, **base, "root": f"/adapters/{name}", "parent": self.model} for name in self.adapters)]})
+        return _json({"object": "list", "data": [self.model_card(name) for name in (self.model, *self.adapters)]})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's `/v1/load_lora_adapter` (with VLLM_ALLOW_RUNTIME_LORA_UPDATING) and SGLang's
+        `/load_lora_adapter`: `{lora_name, lora_path}`; an adapter loaded at run time."""
+        body = parse_json(await request.read())
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "'lora_name' and 'lora_path' must be non-empty strings.", "lora_name")
+        if self.profile.max_loras is None:
+            raise ApiError(400, "LoRA is not enabled (start with --lora-adapters).", "lora_name")
+        if name == self.model or name in self.adapters:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's `/v1/unload_lora_adapter` and SGLang's `/unload_lora_adapter`: `{lora_name}`."""
+        body = parse_json(await request.read())
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        del self.adapters[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     def _load_entry(self) -> dict:
         load = self.engine.load()
@@ -369,8 +397,8 @@ class Emulator:
             "max_total_num_tokens": p.kv_tokens, "max_running_requests": p.max_running,
             "chunked_prefill_size": p.prefill_budget, "context_length": p.max_model_len,
             "schedule_policy": p.waiting_order,
-            "enable_lora": bool(self.adapters), "max_loras_per_batch": p.max_loras or 8,
-            "lora_paths": {name: f"/adapters/{name}" for name in self.adapters} or None,
+            "enable_lora": p.max_loras is not None, "max_loras_per_batch": p.max_loras or 8,
+            "lora_paths": dict(self.adapters) or None,
             "enable_metrics": True, "enable_cache_report": True, "version": VERSION,
             "internal_states": [{"last_gen_throughput": self.driver.gen_throughput()}],
             "emulator": {"profile": p.name, "speed": self.driver.speed, "seed": self.seed},
@@ -434,6 +462,10 @@ class Emulator:
         r.add_post("/v1/completions", self.completions)
         r.add_post("/generate", self.generate)
         r.add_get("/v1/models", self.models)
+        for path in ("/v1/load_lora_adapter", "/load_lora_adapter"):
+            r.add_post(path, self.load_lora)
+        for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
+            r.add_post(path, self.unload_lora)
         r.add_post("/v1/responses", self.responses)
         r.add_get("/v1/responses/{id}", self.stored_response)
         r.add_post("/v1/responses/{id}/cancel", self.stored_response)
@@ -792,7 +824,7 @@ class _MetricsCollector:
         yield counter("vllm:prefix_cache_hits", "Prefix cache hit tokens", c.prefix_hits, engine)
         yield counter("vllm:num_preemptions", "Preemptions", c.preemptions, engine)
         yield self._ttft_histogram("vllm:time_to_first_token_seconds", c, engine)
-        if emu.adapters:
+        if load.max_loras is not None:
             # vLLM's LoRA info gauge: no model label, its value the time it was set (one series
             # here; vLLM leaves each earlier set of adapters behind as a stale series of its own)
             lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
@@ -822,10 +854,10 @@ def lora_options(count: int, max_loras: int | None, *, sglang: bool) -> tuple[tu
     engines' defaults: vLLM `--max-loras` 1, SGLang `--max-loras-per-batch` 8."""
     if count < 0:
         raise SystemExit("--lora-adapters must be 0 or more")
-    if max_loras is not None and (max_loras < 1 or not count):
-        raise SystemExit("--max-loras must be at least 1, and needs --lora-adapters")
-    if not count:
-        return (), None
+    if max_loras is not None and max_loras < 1:
+        raise SystemExit("--max-loras must be at least 1")
+    if not count and max_loras is None:
+        return (), None  # no LoRA: none served, none loadable at run time
     return tuple(f"lora-{k}" for k in range(count)), max_loras or (8 if sglang else 1)
 
 

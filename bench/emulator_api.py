@@ -149,10 +149,9 @@ class ApiFaces:
     # -- models ------------------------------------------------------------------------------
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.emu.model:
+        if name != self.emu.model and name not in self.emu.adapters:
             raise ApiError(404, f"The model '{name}' does not exist", "model")
-        return _json({"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-                      "root": name, "max_model_len": self.emu.engine.max_request_tokens()})
+        return _json(self.emu.model_card(name))
 
     # -- audio -------------------------------------------------------------------------------
     async def audio(self, request: web.Request) -> web.Response:

@@ -134,6 +134,10 @@ class ProbeConfig:
     # a replica of engine "auto" that showed no load endpoint is asked again this often: it may
     # have answered before its metrics were up (lb.core.engines)
     redetect_s: float = REDETECT_S
+    # a replica whose models were discovered (no `models` in its config) has its /v1/models read
+    # again this often: adapters loaded or unloaded at run time (vLLM's and SGLang's
+    # /load_lora_adapter) come and go from its list
+    models_refresh_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,7 @@ def _check(cfg: Config) -> None:
     positive("probes.unhealthy_after", cfg.probes.unhealthy_after)
     positive("probes.healthy_after", cfg.probes.healthy_after)
     positive("probes.redetect_s", cfg.probes.redetect_s)
+    positive("probes.models_refresh_s", cfg.probes.models_refresh_s)
     if not isinstance(cfg.probes.idle_intervals, int) or cfg.probes.idle_intervals < 1:
         raise ConfigError(f"probes.idle_intervals: must be a whole number >= 1 (1: probe idle replicas every "
                           f"interval too), got {cfg.probes.idle_intervals!r}")

@@ -146,8 +146,8 @@ class Prober:
         elapsed = time.monotonic() - t0
         if ok:
             view.probe_s = elapsed
-        if ok and not rep.models_known:  # before it turns healthy: /v1/models and /ready agree at once
-            await self._discover_models(rep)
+        if ok and (not rep.models_known or (not rep.cfg.models and t0 - rep.models_read_at >= self.cfg.models_refresh_s)):
+            await self._discover_models(rep, t0)  # before it turns healthy: /v1/models and /ready agree at once
         if ok and queue_order_due(view.engine, rep.policy_known, found is not None, view.healthy):
             await self._discover_policy(rep)
         was_healthy = view.healthy
@@ -230,7 +230,8 @@ class Prober:
             log.info("replica %s runs %s (detected; `engine` in its config skips detection)", rep.id, found.engine)
             rep.view.engine = found.engine
 
-    async def _discover_models(self, rep: Replica) -> None:
+    async def _discover_models(self, rep: Replica, now: float) -> None:
+        rep.models_read_at = now
         try:
             doc = orjson.loads(await self._get(rep, "/v1/models"))
             cards = [m for m in doc["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]

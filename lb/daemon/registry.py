@@ -33,6 +33,7 @@ class Replica:
     probe_endpoint: int = 0  # index of the load endpoint that last worked (adapters fall back)
     reprobe: asyncio.Event = field(default_factory=asyncio.Event)
     models_known: bool = False
+    models_read_at: float = float("-inf")  # when /v1/models was last read (discovered models only)
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
     suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
     source: str = ""  # a discovery source that owns it (e.g. "discovery[0]"); "": config file or admin API

@@ -12,7 +12,8 @@ import json
 import threading
 import urllib.request
 
-from openai import OpenAI
+import pytest
+from openai import NotFoundError, OpenAI
 
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
 from tests.daemon.test_parallel_samples import SLOW_PROBES, lb_queue
@@ -21,6 +22,14 @@ from tests.procs import poll
 pytestmark = needs_emulator
 
 MSG = [{"role": "user", "content": "a question for a fine-tune"}]
+
+
+def post(url: str, body: dict) -> int:
+    """POST JSON to an engine's control route, which answers plain text as vLLM's does."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        r.read()
+        return r.status
 
 
 def engine_load(url: str) -> tuple[int, int]:
@@ -68,3 +77,25 @@ def test_a_request_for_an_adapter_no_batch_can_take_waits_in_lb_not_in_an_engine
             pass
     late.join(timeout=60)
     assert answers == {"lora-0": 1, "lora-2": 1}  # once a slot freed, lora-2's was answered
+
+
+def test_an_adapter_loaded_at_run_time_is_served_once_its_replicas_models_are_read_again(procs, tmp_path):
+    proc, emu = start_emulator("--speed", "4", "--max-loras", "2")  # LoRA on, no adapter yet
+    procs.append(proc)
+    cfg = tmp_path / "lb.toml"
+    cfg.write_text(f'[[replicas]]\nurl = "{emu}"\nengine = "vllm"\n\n[probes]\nmodels_refresh_s = 0.3\n')
+    lb = start_lb(config=cfg)
+    procs.append(lb.proc)
+    client = OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+    def served() -> set[str]:
+        return {m.id for m in client.models.list().data}
+
+    with pytest.raises(NotFoundError) as err:
+        client.chat.completions.create(model="fresh", messages=MSG, max_tokens=2)
+    assert err.value.body["param"] == "model"
+    assert post(emu + "/v1/load_lora_adapter", {"lora_name": "fresh", "lora_path": "/adapters/fresh"}) == 200
+    poll(lambda: "fresh" in served(), what="the adapter loaded at run time in lb's /v1/models")
+    assert client.chat.completions.create(model="fresh", messages=MSG, max_tokens=2).choices
+    assert post(emu + "/v1/unload_lora_adapter", {"lora_name": "fresh"}) == 200
+    poll(lambda: served() == {"m"}, what="the adapter gone from lb's /v1/models once unloaded")
