@@ -26,7 +26,7 @@ REMOVED = "removed"  # target label of a request that finished after its replica
 
 class Metrics:
     def __init__(self, views: Callable[[], list], available: Callable[[object], bool],
-                 leased: Callable[[object], int]):
+                 leased: Callable[[object], int], adapters: Callable[[object], int] = lambda view: 0):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("lb_requests", "Requests answered, by route, model, status, policy and target",
@@ -64,7 +64,7 @@ class Metrics:
         self.loop_lag = Histogram("lb_event_loop_lag_seconds",
                                   "How late the event loop ran a timer due every 50 ms (lb.daemon.loopwatch)",
                                   buckets=LAG_BUCKETS, registry=r)
-        r.register(_ReplicaCollector(views, available, leased))
+        r.register(_ReplicaCollector(views, available, leased, adapters))
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, fds
         # metrics labelled by a replica id, and that label's name
         self._by_replica = ((self.requests, "target"), (self.prompt_tokens, "target"), (self.cached_tokens, "target"),
@@ -122,10 +122,11 @@ class Metrics:
 
 class _ReplicaCollector:
     def __init__(self, views: Callable[[], list], available: Callable[[object], bool],
-                 leased: Callable[[object], int]):
+                 leased: Callable[[object], int], adapters: Callable[[object], int]):
         self.views = views
         self.available = available
         self.leased = leased
+        self.adapters = adapters
 
     def describe(self):
         return []
@@ -146,6 +147,10 @@ class _ReplicaCollector:
             "leased": GaugeMetricFamily("lb_replica_leased_tokens", "KV tokens of contexts that interactions under way "
                                         "will come back for, kept out of selective pushing's headroom (lb.core.leases)",
                                         labels=["replica"]),
+            "loras": GaugeMetricFamily("lb_replica_lora_adapters", "LoRA adapters its batch runs, as the LB knows "
+                                       "(its last probe's and the LB's own requests'; lb.core.adapters)", labels=["replica"]),
+            "max_loras": GaugeMetricFamily("lb_replica_max_loras", "LoRA adapters one batch of the replica runs "
+                                           "(only where the engine says)", labels=["replica"]),
             "engine": GaugeMetricFamily("lb_replica_engine", "1 for the engine the replica runs, configured or detected "
                                         "(auto until its first answer)", labels=["replica", "engine"]),
         }
@@ -160,4 +165,7 @@ class _ReplicaCollector:
             fams["overcommits"].add_metric([v.id], 1.0 if v.overcommits else 0.0)
             fams["leased"].add_metric([v.id], self.leased(v))
             fams["engine"].add_metric([v.id, v.engine], 1.0)
+            if v.max_loras is not None:
+                fams["loras"].add_metric([v.id], self.adapters(v))
+                fams["max_loras"].add_metric([v.id], v.max_loras)
         return list(fams.values())

@@ -17,7 +17,7 @@ from openai import NotFoundError, OpenAI
 
 from tests.daemon.conftest import needs_emulator, start_emulator, start_lb
 from tests.daemon.test_parallel_samples import SLOW_PROBES, lb_queue
-from tests.procs import poll
+from tests.procs import poll, scrape_metrics
 
 pytestmark = needs_emulator
 
@@ -60,6 +60,9 @@ def test_a_request_for_an_adapter_no_batch_can_take_waits_in_lb_not_in_an_engine
 
     long_ones = [decode("lora-0"), decode("lora-1")]
     assert sorted(engine_load(u) for u in emus) == [(1, 0), (1, 0)]  # one adapter on each replica
+    gauges = scrape_metrics(lb.url)
+    assert sorted(s.value for s in gauges["lb_replica_max_loras"]) == [1, 1]  # from vllm:lora_requests_info
+    assert sorted(s.value for s in gauges["lb_replica_lora_adapters"]) == [1, 1]  # each batch's one slot taken
     answers: dict[str, int] = {}
 
     def short(adapter: str) -> None:
