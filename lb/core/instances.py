@@ -106,6 +106,7 @@ class HeardPush:
     # continue (lb.core.continuations). Empty from an instance of an earlier release.
     interaction: str = ""
     continued: bytes = b""
+    adapter: str = ""  # the LoRA adapter it runs with (lb.core.adapters); empty: none, or an earlier release
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,11 @@ class HeardLease:
 
 
 def push_message(sender: str, replica: str, at: float, tokens: int, chain: str, key: str, prompt_tokens: int,
-                 interaction: str = "", continued: bytes = b"") -> list:
+                 interaction: str = "", continued: bytes = b"", adapter: str = "") -> list:
     if len(interaction) > MAX_KEY_CHARS:
         interaction = ""
-    return [sender, replica, at, tokens, chain, key, prompt_tokens, interaction, continued.hex()]
+    message = [sender, replica, at, tokens, chain, key, prompt_tokens, interaction, continued.hex()]
+    return message + [adapter] if adapter and len(adapter) <= MAX_KEY_CHARS else message
 
 
 def lease_message(sender: str, replica: str, a: Answered, anchor: float | None = None) -> list | None:
@@ -183,8 +185,9 @@ def parse_message(doc: object) -> HeardPush | HeardEnd | HeardLease | None:
         at, tokens = float(at), int(tokens)
         if not (math.isfinite(at) and tokens >= 0 and prompt >= 0) or len(continued) not in (0, HASH_BYTES):
             return None
+        adapter = doc[9] if len(doc) >= 10 and isinstance(doc[9], str) and len(doc[9]) <= MAX_KEY_CHARS else ""
         return HeardPush(str(sender), str(replica), at, tokens, decode_chain(chain), key, prompt,
-                         interaction if len(interaction) <= MAX_KEY_CHARS else "", continued)
+                         interaction if len(interaction) <= MAX_KEY_CHARS else "", continued, adapter)
     except (ValueError, TypeError, OverflowError):
         return None
 

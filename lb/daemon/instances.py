@@ -4,7 +4,7 @@ sent there, so every instance's prefix trie holds the region's history (lb.core.
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
 tokens, prefix chain, request id, prompt tokens, interaction, the answered prompt end it
-continues], and its answer as ["end", instance, replica id, request id, the prompt's last
+continues, and its LoRA adapter where it has one], and its answer as ["end", instance, replica id, request id, the prompt's last
 block, answer tokens] (where a conversation's next turn finds its history) and, for a call of
 an interaction, ["lease", instance, replica id, interaction, leased tokens, lease seconds, the
 prompt's end, its size when shorter than a block, user, and the fair queue's anchor where it
@@ -48,6 +48,7 @@ class SharedPushes:
         self.leases = dispatcher.scheduler.leases  # the interactions' leases and how calls continue
         self.queue = dispatcher.scheduler.queue  # the rank each interaction keeps there
         self.backlog = dispatcher.scheduler.backlog  # the first tokens an engine counts for both of us
+        self.adapters = dispatcher.scheduler.adapters  # the LoRA adapters each replica's batch runs
         self.probe_started: dict[str, float] = {}  # replica id -> our last answered probe's start, wall clock
         self.unsent: asyncio.Queue = asyncio.Queue(MAX_UNSENT)
         self.dropped = 0
@@ -80,7 +81,8 @@ class SharedPushes:
         mem = self.policy.prefix_memory  # the prefix-trie policies: share where this prefix went
         chain = encode_chain(request_chain(facts, mem.block_chars, mem.isolate_tenants)) if mem is not None else ""
         self._publish(push_message(self.id, rep.id, time.time(), push_tokens(facts), chain, facts.request_id,
-                                   facts.prompt_tokens, lease_key(facts) or "", facts.extra.get(CONTINUED, b"")))
+                                   facts.prompt_tokens, lease_key(facts) or "", facts.extra.get(CONTINUED, b""),
+                                   facts.adapter or ""))
 
     def answered(self, facts, rep, out, now: float) -> None:
         """The dispatcher's on_complete: the replica is done with our push, tell the others,
@@ -157,6 +159,7 @@ class SharedPushes:
         if isinstance(heard, HeardEnd):
             known = note_remote_end(rep.view, log, heard.key, probe_started)
             self.backlog.remote_ended(heard.key, rep.id)
+            self.adapters.ended(heard.key)
             if mem is not None:
                 heard_answer(mem.trie, heard)
             if known:  # as one LB would on its own answer's end: the room it freed, seen at once
@@ -169,3 +172,5 @@ class SharedPushes:
         prefill = heard_prefill(mem.trie, heard, time.monotonic()) if mem is not None else float(heard.prompt_tokens)
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)
         self.backlog.remote_placed(heard.key, rep.id, prefill, rep.view.engine_first_tokens)
+        if heard.adapter and heard.key:  # its adapter takes a slot there until its end is heard
+            self.adapters.placed(heard.key, rep.id, heard.adapter)

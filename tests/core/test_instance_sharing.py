@@ -66,6 +66,10 @@ def test_messages_round_trip_and_anything_malformed_is_ignored():
     assert parse_message(["end", "a", "r1", "req-1"]) == HeardEnd("a", "r1", "req-1")  # an earlier release
     old = parse_message(["a", "r1", 100.5, 900, ""])  # an instance of an earlier release
     assert old == HeardPush("a", "r1", 100.5, 900, (), "", 0)
+    lora = parse_message(push_message("a", "r1", 100.5, 900, "", "req-2", 800, adapter="sql-lora"))
+    assert lora.adapter == "sql-lora" and lora.key == "req-2"
+    assert parse_message(push_message("a", "r1", 1.0, 9, "", "k", 8, adapter="x" * 300)).adapter == ""  # too long: not sent
+    assert parse_message(["a", "r1", 1.0, 9, "", "k", 8, "", "", 7]).adapter == ""  # not a name
     for bad in (None, {}, [], ["end"], ["end", "a", "r1"], ["a", "r1", "x", 900, ""], ["a", "r1", float("nan"), 9, ""],
                 ["a", "r1", 1.0, -5, ""], ["a", "r1", 1.0, 9, "abcd"], ["a", "r1", 1.0, 9, "", "k", "many"],
                 ["a", "r1", 1e400, 9, ""], "text", ["end", "a", "r1", "k", "abcd", 5], ["end", "a", "r1", "k", "zz", 5],

@@ -259,3 +259,55 @@ def test_the_other_instance_s_answers_sent_whole_wait_on_the_engine_s_first_toke
         conn.close()
     poll(lambda: awaited(a)[1] == {"ours": 0, "others": 0} and awaited(b)[1] == {"ours": 0, "others": 0},
          what="the line empty once the count or the answer passed it")
+
+
+def test_each_instance_knows_the_lora_adapters_the_other_runs_on_engines_that_name_none(tmp_path: Path, procs, redis_url):
+    """Two instances over two emulators on SGLang's face (its load endpoints name no adapters),
+    each serving 3 adapters with a batch of one, probes 10 s apart: lora-0 decodes on a replica
+    through `a`; at `b`, lora-1 goes to the other replica and lora-2 waits in `b`'s queue, in no
+    engine's, because `a`'s push told `b` which adapter runs where (lb.core.adapters)."""
+    from openai import OpenAI
+
+    from tests.daemon.test_parallel_samples import lb_queue
+
+    emus = []
+    for i in range(2):
+        emu, url = start_emulator("--lora-adapters", "3", "--max-loras", "1", "--speed", "1", name=f"emu-lora-{i}")
+        procs.append(emu)
+        emus.append(url)
+    cfg = tmp_path / "lb-lora.toml"
+    cfg.write_text(f'[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "lora:"\n\n'
+                   '[probes]\ninterval_s = 10.0\nearly_reprobe_s = 5.0\n\n'
+                   + "".join(f'[[replicas]]\nurl = "{u}"\nengine = "sglang"\n\n' for u in emus))
+    a, b = (start_lb(config=cfg, name=f"lb-lora-{i}") for i in range(2))
+    procs.extend((a.proc, b.proc))
+    both_subscribed(redis_url, "lora:")
+    clients = [OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=60) for lb in (a, b)]
+    msg = [{"role": "user", "content": "a question for a fine-tune"}]
+
+    def decode(client, adapter: str):
+        chunks = iter(client.chat.completions.create(model=adapter, messages=msg, max_tokens=300, stream=True,
+                                                     extra_body={"ignore_eos": True}))
+        next(chunks)
+        return chunks
+
+    streams = [decode(clients[0], "lora-0")]
+    time.sleep(0.5)  # a's push reaches b through redis
+    streams.append(decode(clients[1], "lora-1"))
+    assert sorted(engine_load(u)["num_reqs"] for u in emus) == [1, 1]  # one adapter on each replica
+    late = {}
+
+    def short() -> None:
+        late["choices"] = len(clients[1].chat.completions.create(model="lora-2", messages=msg, max_tokens=4).choices)
+
+    import threading
+    t = threading.Thread(target=short)
+    t.start()
+    poll(lambda: lb_queue(b.url) == 1, what="lora-2 waiting in b's queue")
+    assert [engine_load(u)["num_waiting_reqs"] for u in emus] == [0, 0]
+    assert metric(b.url, "lb_replica_lora_adapters") == 2  # a's lora-0 and its own lora-1, one on each
+    for chunks in streams:
+        for _ in chunks:
+            pass
+    t.join(timeout=60)
+    assert late == {"choices": 1}
