@@ -237,8 +237,13 @@ def build_app(cfg: Config) -> web.Application:
 
     @routes.get("/v1/models")
     async def models(request: web.Request) -> web.Response:
-        ids = sorted(lb_of(request).registry.models())
-        return _json({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "lb"} for m in ids]})
+        registry = lb_of(request).registry
+        parents = registry.parents()
+        # base models first (a client that takes the first entry gets one), then the LoRA
+        # adapters, each naming its base model as `parent` as the engines' own lists do
+        ids = sorted(registry.models(), key=lambda m: (m in parents, m))
+        return _json({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "lb",
+                                                  **({"parent": parents[m]} if m in parents else {})} for m in ids]})
 
     @routes.get("/health")
     async def health(request: web.Request) -> web.Response:

@@ -239,7 +239,8 @@ class Prober:
             return  # not every engine lists models (e.g. /generate-only); serve any model
         rep.view.models = frozenset(m["id"] for m in cards)
         # a LoRA adapter's card names its base model as `parent` (vLLM, SGLang): lb.core.adapters
-        rep.view.adapters = frozenset(m["id"] for m in cards if isinstance(m.get("parent"), str) and m["parent"])
+        rep.parents = {m["id"]: m["parent"] for m in cards if isinstance(m.get("parent"), str) and m["parent"]}
+        rep.view.adapters = frozenset(rep.parents)
         rep.models_known = True
 
     async def _discover_policy(self, rep: Replica) -> None:

@@ -34,6 +34,7 @@ class Replica:
     reprobe: asyncio.Event = field(default_factory=asyncio.Event)
     models_known: bool = False
     models_read_at: float = float("-inf")  # when /v1/models was last read (discovered models only)
+    parents: dict = field(default_factory=dict)  # LoRA adapter -> its base model, as /v1/models says
     breaker: Breaker = field(default_factory=Breaker)  # request-path failures (lb.core.breaker)
     suspect: bool = False  # a request hung on it (lb.daemon.hung) and it has served none since
     source: str = ""  # a discovery source that owns it (e.g. "discovery[0]"); "": config file or admin API
@@ -89,6 +90,10 @@ class Registry:
 
     def models(self) -> set[str]:
         return {m for r in self.active() for m in r.view.models}
+
+    def parents(self) -> dict[str, str]:
+        """Each LoRA adapter an active replica serves -> its base model."""
+        return {a: p for r in self.active() for a, p in r.parents.items()}
 
     def is_adapter(self, model: str) -> bool:
         """True if some active replica serves `model` as a LoRA adapter (lb.core.adapters)."""

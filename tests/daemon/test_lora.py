@@ -49,7 +49,8 @@ def test_a_request_for_an_adapter_no_batch_can_take_waits_in_lb_not_in_an_engine
     lb = start_lb(config=cfg)
     procs.append(lb.proc)
     client = OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    assert {m.id for m in client.models.list().data} == {"m", "lora-0", "lora-1", "lora-2"}
+    listed = [(m.id, (m.model_extra or {}).get("parent")) for m in client.models.list().data]
+    assert listed == [("m", None), ("lora-0", "m"), ("lora-1", "m"), ("lora-2", "m")]  # the base model first
 
     def decode(adapter: str):
         stream = client.chat.completions.create(model=adapter, messages=MSG, max_tokens=300, stream=True,
