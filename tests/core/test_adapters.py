@@ -103,3 +103,14 @@ def test_sglang_server_args_say_how_many_adapters_a_batch_runs():
     assert lora_limit(b'{"lora_paths": {"p": "/a/p"}, "max_loras_per_batch": 2}') == 2
     assert lora_limit(b'{"lora_paths": null, "max_loras_per_batch": 8}') is None  # serves none
     assert lora_limit(b'{"enable_lora": true, "max_loras_per_batch": 0}') is None
+
+
+def test_a_real_vllm_pages_lora_info_names_none_running_once_its_adapter_ended():
+    """vLLM 0.32 (CPU build) serving two adapters with `--max-loras 1`, its /metrics captured
+    after one request for `a1` ended: the series it set while `a1` ran stays beside the newer one."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "data" / "vllm-0.32-cpu-lora-metrics.txt").read_bytes()
+    load = parse_vllm_metrics(page)
+    assert load.max_loras == 1 and load.running_adapters == frozenset()
+    assert page.count(b"vllm:lora_requests_info{") == 2
