@@ -31,14 +31,19 @@ class Adapters:
     """This LB's requests under way per replica and adapter."""
 
     def __init__(self) -> None:
-        self.on: dict[str, Counter] = {}  # target id -> adapter -> our requests there not ended
+        self.on: dict[str, Counter] = {}  # target id -> adapter -> requests there not ended
         self._of: dict[str, tuple[str, str]] = {}  # request id -> (target id, adapter)
+        self._remote: dict[str, set[str]] = {}  # target id -> those of them another instance pushed
 
-    def placed(self, request_id: str, target_id: str, adapter: str | None) -> None:
+    def placed(self, request_id: str, target_id: str, adapter: str | None, *, remote: bool = False) -> None:
+        """A request for `adapter` went to `target_id`: ours, or (`remote`) another instance's,
+        heard through the shared store (lb.daemon.instances)."""
         if adapter is None or len(self._of) >= MAX_TRACKED:
             return
         self._of[request_id] = (target_id, adapter)
         self.on.setdefault(target_id, Counter())[adapter] += 1
+        if remote:
+            self._remote.setdefault(target_id, set()).add(request_id)
 
     def ended(self, request_id: str) -> None:
         placed = self._of.pop(request_id, None)
@@ -51,20 +56,38 @@ class Adapters:
             del counts[adapter]
             if not counts:
                 del self.on[target_id]
+        remote = self._remote.get(target_id)
+        if remote is not None:
+            remote.discard(request_id)
+            if not remote:
+                del self._remote[target_id]
 
-    def running(self, view: ReplicaView) -> set[str]:
-        """The adapters `view`'s batch runs as far as this LB knows."""
-        ours = self.on.get(view.id)
-        return set(view.running_adapters) | set(ours) if ours else set(view.running_adapters)
+    def prune_remote(self, target_id: str, alive: set[str]) -> None:
+        """Another instance's requests on `target_id` that its log of them no longer holds (their
+        end never heard: that instance went away, or the message was lost) end here too, as the
+        pushes they counted do (lb.core.instances.remote_unseen)."""
+        for request_id in self._remote.get(target_id, set()) - alive:
+            self.ended(request_id)
+
+    def forget(self, target_id: str) -> None:
+        """The replica left the fleet: nothing runs there any more."""
+        for request_id in [r for r, (t, _) in self._of.items() if t == target_id]:
+            self.ended(request_id)
+
+    def count(self, view: ReplicaView) -> int:
+        """How many adapters `view`'s batch runs as far as this LB knows: those its last probe
+        saw running, and those of the requests under way there."""
+        ours, seen = self.on.get(view.id), view.running_adapters
+        return len(seen) + (sum(1 for a in ours if a not in seen) if ours else 0)
 
     def fits(self, view: ReplicaView, adapter: str | None) -> bool:
         """Whether a request for `adapter` can run on `view` now: no adapter or no known limit,
         its adapter runs there, or a slot is free."""
         limit = view.max_loras
-        if adapter is None or limit is None:
+        if adapter is None or limit is None or adapter in view.running_adapters:
             return True
-        running = self.running(view)
-        return adapter in running or len(running) < limit
+        ours = self.on.get(view.id)
+        return (ours is not None and adapter in ours) or self.count(view) < limit
 
     def limit(self, accepts: Callable[[ReplicaView], bool] | None, adapter: str
               ) -> Callable[[ReplicaView], bool]:

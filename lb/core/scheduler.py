@@ -464,6 +464,7 @@ class Scheduler:
         self.backlog.forget(target_id)
         self.decoding.forget(target_id)
         self.leases.forget(target_id)
+        self.adapters.forget(target_id)
 
     def refresh_leases(self, views: Iterable[ReplicaView], now: float) -> None:
         """Each view's leased tokens as of `now` (expired leases out), which SP-P's headroom

@@ -54,7 +54,7 @@ class LB:
         self.policy = make_policy(cfg.routing.policy, seed=cfg.routing.seed, **cfg.routing.options)
         self.dispatcher = Dispatcher(self.registry, cfg, self.policy)
         self.metrics = Metrics(self.registry.views, self.dispatcher.available, self.dispatcher.leased,
-                               lambda view: len(self.dispatcher.scheduler.adapters.running(view)))
+                               self.dispatcher.scheduler.adapters.count)
         self.dispatcher.metrics = self.metrics
         self.registry.on_add(lambda rep: self.metrics.remember(rep.id))
         self.registry.on_gone(lambda rep: self.metrics.forget(rep.id))  # its series leave /metrics

@@ -4,8 +4,9 @@ sent there, so every instance's prefix trie holds the region's history (lb.core.
 
 A push is published on the channel `PREFIX pushes` as [instance, replica id, wall time, KV
 tokens, prefix chain, request id, prompt tokens, interaction, the answered prompt end it
-continues, and its LoRA adapter where it has one], and its answer as ["end", instance, replica id, request id, the prompt's last
-block, answer tokens] (where a conversation's next turn finds its history) and, for a call of
+continues, and its LoRA adapter where it has one], and its answer as ["end", instance, replica
+id, request id, the prompt's last block, answer tokens] (where a conversation's next turn finds
+its history) and, for a call of
 an interaction, ["lease", instance, replica id, interaction, leased tokens, lease seconds, the
 prompt's end, its size when shorter than a block, user, and the fair queue's anchor where it
 keeps one] (the KV lease, and how a next call
@@ -112,6 +113,7 @@ class SharedPushes:
         rep.view.pushed_tokens_since_probe += tokens
         rep.view.remote_since_probe = n
         rep.view.remote_prefill_since_probe = prefill
+        self.adapters.prune_remote(rep.id, {key for _, _, key, _ in rep.view.remote_log})
 
     async def _send(self) -> None:
         while True:
@@ -173,4 +175,4 @@ class SharedPushes:
         note_remote_push(rep.view, log, heard.at, heard.tokens, probe_started, heard.key, prefill)
         self.backlog.remote_placed(heard.key, rep.id, prefill, rep.view.engine_first_tokens)
         if heard.adapter and heard.key:  # its adapter takes a slot there until its end is heard
-            self.adapters.placed(heard.key, rep.id, heard.adapter)
+            self.adapters.placed(heard.key, rep.id, heard.adapter, remote=True)

@@ -38,6 +38,20 @@ def test_an_adapter_fits_where_it_runs_or_a_slot_is_free():
     assert a.fits(view, "s") and a.on == {}
 
 
+def test_another_instances_requests_end_here_once_its_log_forgets_them_and_a_removed_replica_runs_none():
+    a = Adapters()
+    view = ReplicaView(id="x", url="", max_loras=2, running_adapters=frozenset({"q"}))
+    a.placed("ours", "x", "p")
+    a.placed("theirs", "x", "s", remote=True)
+    assert a.count(view) == 3 and not a.fits(view, "t")
+    a.prune_remote("x", {"theirs"})  # still in the log: kept
+    assert a.count(view) == 3
+    a.prune_remote("x", set())  # its end never heard, and the log forgot it
+    assert a.count(view) == 2 and a.on == {"x": {"p": 1}}
+    a.forget("x")
+    assert a.on == {} and a.count(view) == 1  # what the last probe saw stays until the next
+
+
 def test_a_request_whose_adapter_fits_nowhere_waits_here_without_blocking_the_next():
     s = sched(push_credit=8)
     targets = [lora_rep("a"), lora_rep("b")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -268,6 +269,7 @@ def test_each_instance_knows_the_lora_adapters_the_other_runs_on_engines_that_na
     engine's, because `a`'s push told `b` which adapter runs where (lb.core.adapters)."""
     from openai import OpenAI
 
+    from tests.daemon.test_lora import MSG, decode
     from tests.daemon.test_parallel_samples import lb_queue
 
     emus = []
@@ -283,14 +285,6 @@ def test_each_instance_knows_the_lora_adapters_the_other_runs_on_engines_that_na
     procs.extend((a.proc, b.proc))
     both_subscribed(redis_url, "lora:")
     clients = [OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=60) for lb in (a, b)]
-    msg = [{"role": "user", "content": "a question for a fine-tune"}]
-
-    def decode(client, adapter: str):
-        chunks = iter(client.chat.completions.create(model=adapter, messages=msg, max_tokens=300, stream=True,
-                                                     extra_body={"ignore_eos": True}))
-        next(chunks)
-        return chunks
-
     streams = [decode(clients[0], "lora-0")]
     time.sleep(0.5)  # a's push reaches b through redis
     streams.append(decode(clients[1], "lora-1"))
@@ -298,9 +292,8 @@ def test_each_instance_knows_the_lora_adapters_the_other_runs_on_engines_that_na
     late = {}
 
     def short() -> None:
-        late["choices"] = len(clients[1].chat.completions.create(model="lora-2", messages=msg, max_tokens=4).choices)
+        late["choices"] = len(clients[1].chat.completions.create(model="lora-2", messages=MSG, max_tokens=4).choices)
 
-    import threading
     t = threading.Thread(target=short)
     t.start()
     poll(lambda: lb_queue(b.url) == 1, what="lora-2 waiting in b's queue")

@@ -32,6 +32,14 @@ def post(url: str, body: dict) -> int:
         return r.status
 
 
+def decode(client: OpenAI, adapter: str):
+    """A long streamed answer of `adapter`, decoding by the time this returns: its chunks to come."""
+    chunks = iter(client.chat.completions.create(model=adapter, messages=MSG, max_tokens=300, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    next(chunks)
+    return chunks
+
+
 def engine_load(url: str) -> tuple[int, int]:
     with urllib.request.urlopen(url + "/get_load", timeout=5) as r:
         ranks = json.loads(r.read())
@@ -52,14 +60,7 @@ def test_a_request_for_an_adapter_no_batch_can_take_waits_in_lb_not_in_an_engine
     listed = [(m.id, (m.model_extra or {}).get("parent")) for m in client.models.list().data]
     assert listed == [("m", None), ("lora-0", "m"), ("lora-1", "m"), ("lora-2", "m")]  # the base model first
 
-    def decode(adapter: str):
-        stream = client.chat.completions.create(model=adapter, messages=MSG, max_tokens=300, stream=True,
-                                                extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        next(chunks)  # decoding now
-        return chunks
-
-    long_ones = [decode("lora-0"), decode("lora-1")]
+    long_ones = [decode(client, "lora-0"), decode(client, "lora-1")]
     assert sorted(engine_load(u) for u in emus) == [(1, 0), (1, 0)]  # one adapter on each replica
     gauges = scrape_metrics(lb.url)
     assert sorted(s.value for s in gauges["lb_replica_max_loras"]) == [1, 1]  # from vllm:lora_requests_info
