@@ -27,8 +27,8 @@ QUESTION_SIGMA, ANSWER_SIGMA = 0.6, 0.6
 MIN_QUESTION, MAX_QUESTION, MIN_ANSWER, MAX_ANSWER = 16, 1000, 16, 1024
 # the fleet's engines in the simulator and the live scenario: 8 adapters a batch (SGLang's
 # default; vLLM's is 1, which operators serving many adapters raise). With 4 a batch, 16 slots
-# for 32 Zipf-popular adapters are all busy at 0.9x the fleet's compute (~15.5 in use on average,
-# in the simulator): the slots, not the GPUs, bound what any router serves.
+# for 32 Zipf-popular adapters are all busy at 0.9x the fleet's compute (~15.5 in use on average
+# behind `lb`, one seed in the simulator): the slots, not the GPUs, bound what any router serves.
 MAX_LORAS = 8
 
 
